@@ -1,0 +1,1 @@
+"""Tiny random-weight model factories (no hub access needed)."""

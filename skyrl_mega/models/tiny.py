@@ -1,0 +1,107 @@
+"""`skyrl-mega make-tiny`: tiny random-weight HF checkpoints for tests and the demo.
+
+In: a family name and an output directory. Out: that directory holding config.json,
+model.safetensors (fp32, seeded) and a locally trained tokenizer. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .tokenizer import train_tokenizer
+
+VOCAB_SIZE = 512
+
+
+def _qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+        decoder_sparse_step=1, max_position_embeddings=1024, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, router_aux_loss_coef=0.0, initializer_range=0.05,
+    )
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def _qwen3_5_moe_config(**overrides):
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    kw = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return Qwen3_5MoeTextConfig(**kw)
+
+
+def _nemotron3_config(**overrides):
+    from transformers import NemotronHConfig
+
+    kw = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, layers_block_type=["mamba", "moe", "attention", "moe"],
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, n_groups=1, mamba_num_heads=4,
+        mamba_head_dim=16, ssm_state_size=16, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return NemotronHConfig(**kw)
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    name: str
+    make_config: Callable
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        TinyFamily("qwen3_moe", _qwen3_moe_config),
+        TinyFamily("qwen3_5_moe", _qwen3_5_moe_config),
+        TinyFamily("nemotron3", _nemotron3_config),
+    )
+}
+
+
+def make_tiny(family: str, out_dir: str, seed: int = 0, **config_overrides) -> str:
+    """Writes a tiny random-weight checkpoint of `family` to `out_dir`; returns out_dir."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = train_tokenizer(VOCAB_SIZE)
+    config = FAMILIES[family].make_config(**config_overrides)
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}, f)
+    return out_dir
+
+
+def ensure_tiny(family: str, out_dir: str, seed: int = 0) -> str:
+    """make_tiny unless a complete checkpoint is already at out_dir."""
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")) and os.path.exists(
+        os.path.join(out_dir, "tokenizer.json")
+    ):
+        return out_dir
+    return make_tiny(family, out_dir, seed=seed)
