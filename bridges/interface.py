@@ -1,0 +1,120 @@
+"""The thin bridge interface and its registry.
+
+In: an HF checkpoint directory (or config), dtype, and which layer spec to use.
+Out: Megatron model chunks (list, one per virtual pipeline stage) with HF weights loaded,
+and an iterator of (hf_name, tensor) for export, gathered over TP/EP/PP.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Iterator
+
+import torch
+
+_REGISTRY: dict[str, str] = {
+    # model_type -> "module:Class"
+    "qwen3_moe": "bridges.qwen3_moe:Qwen3MoeBridge",
+}
+
+CPU_CONFIG = dict(
+    use_cpu_initialization=True,
+    gradient_accumulation_fusion=False,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    moe_permute_fusion=False,
+    moe_router_fusion=False,
+    moe_grouped_gemm=False,
+    attention_backend="local",
+)
+
+
+def register_bridge(model_type: str, target: str) -> None:
+    """Registers 'module:Class' as the bridge for an HF model_type."""
+    _REGISTRY[model_type] = target
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def _fix_hf_config(hf_config):
+    """transformers 5 keeps rope_theta inside rope_parameters; mbridge reads hf_config.rope_theta."""
+    if not hasattr(hf_config, "rope_theta") or hf_config.rope_theta is None:
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        hf_config.rope_theta = rope.get("rope_theta", 10000.0)
+    return hf_config
+
+
+class ModelBridge:
+    """Build / load / export a Megatron model for one HF checkpoint."""
+
+    def __init__(self, hf_path: str, dtype: torch.dtype = torch.float32, spec: str = "auto", **config_overrides):
+        from transformers import AutoConfig
+
+        self.hf_path = hf_path
+        self.hf_config = _fix_hf_config(AutoConfig.from_pretrained(hf_path))
+        model_type = self.hf_config.model_type
+        if model_type not in _REGISTRY:
+            raise ValueError(f"no bridge for model_type {model_type!r}; registered: {sorted(_REGISTRY)}")
+        module, cls = _REGISTRY[model_type].split(":")
+        bridge_cls = getattr(importlib.import_module(module), cls)
+        self.use_te = te_available() if spec == "auto" else spec == "te"
+        bridge_cls.use_te = self.use_te
+        self.impl = bridge_cls(self.hf_config, dtype=dtype)
+        overrides = {} if self.use_te or torch.cuda.is_available() else dict(CPU_CONFIG)
+        if not self.use_te:
+            overrides.update(moe_grouped_gemm=False, attention_backend="local")
+        overrides.update(config_overrides)
+        self.impl.set_extra_args(**overrides)
+        self.dtype = dtype
+
+    @property
+    def config(self):
+        """The megatron TransformerConfig."""
+        return self.impl.config
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Global (0-based) numbers of the MoE layers."""
+        freq = self.config.moe_layer_freq
+        n = self.config.num_layers
+        if isinstance(freq, int):
+            return [i for i in range(n) if i % freq == 0] if self.config.num_moe_experts else []
+        return [i for i, f in enumerate(freq) if f]
+
+    def build(self, load_weights: bool = True, wrap_with_ddp: bool = False, ddp_config: dict | None = None,
+              post_model_creation_callbacks: list[Callable] = ()) -> list[torch.nn.Module]:
+        models = self.impl.get_model(
+            wrap_with_ddp=wrap_with_ddp,
+            bf16=self.dtype == torch.bfloat16,
+            fp16=False,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            ddp_config=ddp_config,
+            post_model_creation_callbacks=list(post_model_creation_callbacks),
+        )
+        if load_weights:
+            self.load_hf(models, self.hf_path)
+        return models
+
+    def load_hf(self, models: list[torch.nn.Module], path: str) -> None:
+        self.impl.load_weights(models, path)
+
+    def export_hf(self, models: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank must iterate (collectives inside); all ranks see every tensor."""
+        return self.impl.export_weights(models)
+
+    def save_hf(self, models: list[torch.nn.Module], path: str) -> None:
+        self.impl.save_weights(models, path)
+
+
+def bridge_for(hf_path: str, dtype: torch.dtype = torch.float32, spec: str = "auto", **overrides) -> ModelBridge:
+    return ModelBridge(hf_path, dtype=dtype, spec=spec, **overrides)

@@ -1,0 +1,61 @@
+"""Local torchrun launcher used by the CLI, the demo and the multi-process tests.
+
+In: a python module (or script path), a rank count and arguments. Out: the finished process
+(exit code checked), its output streamed to a log file; a timeout kills the whole group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Sequence
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(target: str, nproc: int, args: Sequence[str] = ()) -> list[str]:
+    entry = ["-m", target] if not target.endswith(".py") else [target]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", *entry, *args,
+    ]
+
+
+def run_torchrun(target: str, nproc: int, args: Sequence[str] = (), timeout: float = 600,
+                 log_file: str | None = None, env: dict | None = None, check: bool = True) -> int:
+    """Runs torchrun to completion. Raises LaunchError with the log tail when it fails."""
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.setdefault("PYTHONWARNINGS", "ignore")
+    full_env.update(env or {})
+    out = open(log_file, "w") if log_file else subprocess.PIPE
+    proc = subprocess.Popen(torchrun_cmd(target, nproc, args), stdout=out, stderr=subprocess.STDOUT,
+                            env=full_env, start_new_session=True, text=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise LaunchError(f"torchrun {target} timed out after {timeout}s") from None
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
+    finally:
+        if log_file:
+            out.close()
+    if check and proc.returncode != 0:
+        text = open(log_file).read() if log_file else (stdout or "")
+        raise LaunchError(f"torchrun {target} exited {proc.returncode}:\n{text[-4000:]}")
+    return proc.returncode

@@ -1,0 +1,69 @@
+"""Process groups for Megatron ranks.
+
+In: the ParallelConfig and torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+Out: torch.distributed initialised (NCCL with CUDA, gloo without), megatron-core's
+TP/PP/CP/EP/ETP groups, and seeded RNG trackers. On CPU the compat layer is applied first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+
+
+def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
+    """Initialises the default process group from torchrun's env (or a 1-rank group)."""
+    if not compat.cuda_available():
+        compat.apply_cpu_compat()
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    backend = "nccl" if compat.cuda_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_model_parallel(parallel, seed: int = 1234) -> None:
+    """megatron-core parallel groups from a ParallelConfig, then the model-parallel seeds."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp if parallel.etp is not None else parallel.tp,
+        create_gloo_process_groups=False,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    """A tiny random-weight Qwen3-MoE HF checkpoint made by make-tiny (fp32, seeded)."""
+    from skyrl_mega.models.tiny import make_tiny
+
+    return make_tiny("qwen3_moe", str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

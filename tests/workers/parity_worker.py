@@ -1,0 +1,98 @@
+"""torchrun worker for the Megatron parity tests.
+
+Run: torchrun --nproc-per-node N tests/workers/parity_worker.py OUT_DIR model.path=... parallel.tp=...
+Writes to OUT_DIR (rank 0): logits.safetensors (full-vocab logits of a fixed batch),
+export.safetensors (HF export of the loaded weights), losses.json (5 LM training steps) and
+final.safetensors (HF export after training).
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from skyrl_mega.config import load_config, validate_config
+from skyrl_mega.megatron import forward, parallel
+from skyrl_mega.megatron.model import build_model
+from skyrl_mega.megatron.optimizer import build_optimizer
+
+
+def fixed_batch(n_seq=4, seq=16, vocab=500, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n_seq, seq), generator=g)
+    return ids
+
+
+def main():
+    out_dir, overrides = sys.argv[1], sys.argv[2:]
+    cfg = load_config(None, overrides)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_config(cfg, world)
+    rank, world = parallel.init_distributed()
+    parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
+    from megatron.core import parallel_state as mpu
+
+    bridge, models = build_model(cfg)
+    last_stage = mpu.is_pipeline_last_stage()
+
+    # 1) logits of a fixed batch (the whole batch on every DP rank)
+    ids = fixed_batch()
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    mbs = [{"input_ids": ids[i : i + 1], "position_ids": pos[i : i + 1]} for i in range(ids.shape[0])]
+    with torch.no_grad():
+        got = forward.run_microbatches(
+            models, mbs, lambda mb, out: forward.gather_vocab_parallel(out).detach().clone(),
+            forward_only=True, collect_non_loss_data=True,
+        )
+    if last_stage and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+        save_file({"logits": torch.cat(got, 0).contiguous()}, os.path.join(out_dir, "logits.tmp"))
+        os.replace(os.path.join(out_dir, "logits.tmp"), os.path.join(out_dir, "logits.safetensors"))
+
+    # 2) HF export of the freshly loaded weights
+    exported = {name: t.detach().clone().contiguous() for name, t in bridge.export_hf(models)}
+    if rank == 0:
+        save_file(exported, os.path.join(out_dir, "export.safetensors"))
+
+    # 3) five LM training steps on a fixed global batch, split over DP ranks
+    optimizer, scheduler = build_optimizer(models, cfg.optim, total_steps=5)
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    losses = []
+    for step in range(5):
+        batch = fixed_batch(n_seq=8, seed=100 + step)
+        labels = torch.roll(batch, -1, dims=1)
+        mask = torch.ones_like(batch, dtype=torch.float32)
+        mask[:, -1] = 0
+        mask[step % 8, 5:] = 0  # uneven token counts across micro-batches
+        mine = range(dp_rank, batch.shape[0], dp)
+        mbs = [
+            {"input_ids": batch[i : i + 1], "position_ids": pos[:1], "labels": labels[i : i + 1],
+             "loss_mask": mask[i : i + 1]}
+            for i in mine
+        ]
+        for m in models:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = forward.run_microbatches(
+            models, mbs, forward.lm_loss, forward_only=False,
+            model_kwargs_fn=lambda mb: {"labels": mb["labels"]},
+        )
+        ok, grad_norm, _ = optimizer.step()
+        scheduler.step(1)
+        total = torch.stack(out).sum(0) if out else torch.zeros(2)
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(total, group=mpu.get_pipeline_model_parallel_group())
+        dist.all_reduce(total, group=mpu.get_data_parallel_group())
+        losses.append({"loss": (total[0] / total[1]).item(), "grad_norm": float(grad_norm)})
+    final = {name: t.detach().clone().contiguous() for name, t in bridge.export_hf(models)}
+    if rank == 0:
+        save_file(final, os.path.join(out_dir, "final.safetensors"))
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump(losses, f)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
