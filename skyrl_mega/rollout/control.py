@@ -1,0 +1,143 @@
+"""Control plane: the same call to EVERY vLLM server, directly (never through the router).
+
+vllm-router forwards a control call to one backend only, so pause/resume, sleep/wake,
+reset of the prefix cache, weight-version bookkeeping and collective_rpc (weight updates)
+fan out from here to each server URL, concurrently, each with a timeout. A call that fails
+on any server raises ControlError naming every failing server.
+
+Endpoints (vLLM 0.30.0 with VLLM_SERVER_DEV_MODE=1, vllm/entrypoints/serve/dev/*):
+    POST /pause?mode=abort|wait|keep   abort: abort in-flight requests (they finish "abort");
+                                       wait: let them finish, take no new ones;
+                                       keep: freeze them (KV kept), they continue on /resume.
+                                       New requests queue while paused in every mode.
+                                       abort/wait also clear the prefix cache.
+    POST /resume, GET /is_paused
+    POST /reset_prefix_cache           {"success": false} while running requests hold blocks
+    POST /sleep?level=N, POST /wake_up, GET /is_sleeping   (no-ops on CPU)
+    POST /collective_rpc {"method", "kwargs": {str: str}, "timeout"}  -> {"results": [per worker]}
+    POST /update_weight_version {"new_version"}, GET /weight_info -> {"weight_version"}
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+from .errors import ControlError, RolloutConnectionError, RolloutHTTPError, RolloutResponseError, RolloutTimeoutError
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+def http_json(method: str, url: str, body: Any = None, timeout_s: float = 60.0) -> Any:
+    """One JSON request; returns the decoded body (None for an empty one). Raises RolloutError."""
+    data = None
+    headers = {}
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["content-type"] = "application/json"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        raise RolloutHTTPError(url, e.code, e.read().decode("utf-8", "replace")) from None
+    except TimeoutError:
+        raise RolloutTimeoutError(f"{method} {url}: no answer within {timeout_s:.0f}s") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, TimeoutError):
+            raise RolloutTimeoutError(f"{method} {url}: no answer within {timeout_s:.0f}s") from None
+        raise RolloutConnectionError(f"{method} {url}: {reason}") from None
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise RolloutResponseError(f"{method} {url}: body is not JSON: {raw[:200]!r}") from None
+
+
+class EngineControl:
+    """Fan-out control calls over the servers' base URLs (not the router's)."""
+
+    def __init__(self, urls: Sequence[str], timeout_s: float = 120.0):
+        if not urls:
+            raise ValueError("EngineControl needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+
+    def _all(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> dict[str, Any]:
+        t = timeout_s if timeout_s is not None else self.timeout_s
+        results: dict[str, Any] = {}
+        errors: dict[str, Exception] = {}
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            futs = {u: pool.submit(http_json, method, u + path, body, t) for u in self.urls}
+            for u, f in futs.items():
+                try:
+                    results[u] = f.result()
+                except Exception as e:  # collect every server's failure
+                    errors[u] = e
+        if errors:
+            lines = "; ".join(f"{u}: {e}" for u, e in errors.items())
+            raise ControlError(f"{method} {path} failed on {len(errors)}/{len(self.urls)} server(s): {lines}")
+        return results
+
+    # -- generation control ----------------------------------------------------------------
+    def pause(self, mode: str = "keep", clear_cache: bool = True, timeout_s: float | None = None) -> None:
+        """Pause every server. mode: abort | wait | keep (see module doc)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        q = urllib.parse.urlencode({"mode": mode, "clear_cache": str(clear_cache).lower()})
+        self._all("POST", f"/pause?{q}", timeout_s=timeout_s)
+
+    def resume(self) -> None:
+        self._all("POST", "/resume")
+
+    def is_paused(self) -> dict[str, bool]:
+        return {u: bool(r["is_paused"]) for u, r in self._all("GET", "/is_paused").items()}
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> dict[str, bool]:
+        q = "?reset_running_requests=true" if reset_running_requests else ""
+        return {u: bool((r or {}).get("success", True)) for u, r in self._all("POST", "/reset_prefix_cache" + q).items()}
+
+    def sleep(self, level: int = 1) -> None:
+        self._all("POST", f"/sleep?level={int(level)}")
+
+    def wake_up(self) -> None:
+        self._all("POST", "/wake_up")
+
+    def health(self) -> dict[str, bool]:
+        out = {}
+        for u in self.urls:
+            try:
+                http_json("GET", u + "/health", timeout_s=5.0)
+                out[u] = True
+            except Exception:
+                out[u] = False
+        return out
+
+    # -- weights ---------------------------------------------------------------------------
+    def collective_rpc(self, method: str, kwargs: dict[str, str] | None = None, timeout_s: float | None = None) -> dict[str, list]:
+        """Calls `method` on every worker of every server; {url: [one result per worker]}."""
+        body = {"method": method, "kwargs": kwargs or {}}
+        if timeout_s is not None:
+            body["timeout"] = timeout_s
+        res = self._all("POST", "/collective_rpc", body, timeout_s=(timeout_s or self.timeout_s) + 10)
+        out = {}
+        for u, r in res.items():
+            if r is None:
+                out[u] = []
+            elif isinstance(r, dict) and isinstance(r.get("results"), list):
+                out[u] = r["results"]
+            else:
+                raise ControlError(f"{u}: collective_rpc {method} answered {r!r}")
+        return out
+
+    def set_weight_version(self, version: str | int) -> None:
+        self._all("POST", "/update_weight_version", {"new_version": str(version)})
+
+    def weight_versions(self) -> dict[str, str | None]:
+        return {u: (r or {}).get("weight_version") for u, r in self._all("GET", "/weight_info").items()}

