@@ -93,14 +93,11 @@ class ModelBridge:
 
     def build(self, load_weights: bool = True, wrap_with_ddp: bool = False, ddp_config: dict | None = None,
               post_model_creation_callbacks: list[Callable] = ()) -> list[torch.nn.Module]:
-        models = self.impl.get_model(
-            wrap_with_ddp=wrap_with_ddp,
-            bf16=self.dtype == torch.bfloat16,
-            fp16=False,
-            use_cpu_initialization=not torch.cuda.is_available(),
-            ddp_config=ddp_config,
-            post_model_creation_callbacks=list(post_model_creation_callbacks),
-        )
+        """Model chunks for this rank (one per virtual pipeline stage), weights loaded from HF."""
+        from skyrl_mega.megatron.model import instantiate_chunks
+
+        provider = self.impl._model_provider(list(post_model_creation_callbacks))
+        models = instantiate_chunks(provider, self.config, wrap_with_ddp=wrap_with_ddp, ddp_config=ddp_config)
         if load_weights:
             self.load_hf(models, self.hf_path)
         return models

@@ -27,7 +27,7 @@ def run_microbatches(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = to_device(next(data_iterator))
         extra = model_kwargs_fn(mb) if model_kwargs_fn else {}
         output = model(mb["input_ids"], mb["position_ids"], attention_mask=None, **extra)
 
@@ -47,6 +47,15 @@ def run_microbatches(
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
     )
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_device(mb: dict) -> dict:
+    dev = device()
+    return {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
 
 def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:

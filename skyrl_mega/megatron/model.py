@@ -2,7 +2,7 @@
 
 In: a SkyrlConfig (model path, dtype, parallel layout) after init_model_parallel.
 Out: (bridge, model chunks): chunks wrapped in megatron DDP with HF weights loaded, and the
-megatron config wired for training (per-token loss scaling, grad finalisation, PP dtype).
+megatron config wired for training (per-token loss scaling, grad finalisation).
 """
 
 from __future__ import annotations
@@ -12,6 +12,38 @@ import torch
 from bridges import ModelBridge, bridge_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def instantiate_chunks(provider, config, wrap_with_ddp: bool, ddp_config: dict | None = None):
+    """provider(pre_process, post_process, vp_stage) per virtual stage -> device -> fp16 -> DDP."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    for stage in range(vpp):
+        kwargs = {"vp_stage": stage} if vpp > 1 else {}
+        pre = mpu.is_pipeline_first_stage(ignore_virtual=vpp == 1, **kwargs)
+        post = mpu.is_pipeline_last_stage(ignore_virtual=vpp == 1, **kwargs)
+        chunk = provider(pre_process=pre, post_process=post, **({"vp_stage": stage} if vpp > 1 else {}))
+        for p in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        if config.bf16 or config.fp16:
+            chunk = Float16Module(config, chunk)
+        chunks.append(chunk)
+    if wrap_with_ddp:
+        ddp = DistributedDataParallelConfig(**(ddp_config or {}))
+        chunks = [
+            DistributedDataParallel(config=config, ddp_config=ddp, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
+        for c in chunks:
+            c.broadcast_params()
+    return chunks
 
 
 def build_bridge(cfg, **config_overrides) -> ModelBridge:

@@ -44,7 +44,7 @@ def main():
     mbs = [{"input_ids": ids[i : i + 1], "position_ids": pos[i : i + 1]} for i in range(ids.shape[0])]
     with torch.no_grad():
         got = forward.run_microbatches(
-            models, mbs, lambda mb, out: forward.gather_vocab_parallel(out).detach().clone(),
+            models, mbs, lambda mb, out: forward.gather_vocab_parallel(out).detach().cpu(),
             forward_only=True, collect_non_loss_data=True,
         )
     if last_stage and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
@@ -52,7 +52,7 @@ def main():
         os.replace(os.path.join(out_dir, "logits.tmp"), os.path.join(out_dir, "logits.safetensors"))
 
     # 2) HF export of the freshly loaded weights
-    exported = {name: t.detach().clone().contiguous() for name, t in bridge.export_hf(models)}
+    exported = {name: t.detach().cpu().clone().contiguous() for name, t in bridge.export_hf(models)}
     if rank == 0:
         save_file(exported, os.path.join(out_dir, "export.safetensors"))
 
@@ -81,12 +81,13 @@ def main():
         )
         ok, grad_norm, _ = optimizer.step()
         scheduler.step(1)
-        total = torch.stack(out).sum(0) if out else torch.zeros(2)
+        total = torch.stack(out).sum(0) if out else torch.zeros(2, device=forward.device())
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(total, group=mpu.get_pipeline_model_parallel_group())
         dist.all_reduce(total, group=mpu.get_data_parallel_group())
         losses.append({"loss": (total[0] / total[1]).item(), "grad_norm": float(grad_norm)})
-    final = {name: t.detach().clone().contiguous() for name, t in bridge.export_hf(models)}
+        print(f"step {step} loss {losses[-1]['loss']:.6f} grad_norm {float(grad_norm):.4f}", flush=True)
+    final = {name: t.detach().cpu().clone().contiguous() for name, t in bridge.export_hf(models)}
     if rank == 0:
         save_file(final, os.path.join(out_dir, "final.safetensors"))
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
