@@ -33,13 +33,15 @@ def torchrun_cmd(target: str, nproc: int, args: Sequence[str] = ()) -> list[str]
 
 
 def run_torchrun(target: str, nproc: int, args: Sequence[str] = (), timeout: float = 600,
-                 log_file: str | None = None, env: dict | None = None, check: bool = True) -> int:
-    """Runs torchrun to completion. Raises LaunchError with the log tail when it fails."""
+                 log_file: str | None = None, env: dict | None = None, check: bool = True,
+                 stream: bool = False) -> int:
+    """Runs torchrun to completion. Raises LaunchError with the log tail when it fails.
+    stream=True lets the ranks print straight to this terminal (the CLI)."""
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("PYTHONWARNINGS", "ignore")
     full_env.update(env or {})
-    out = open(log_file, "w") if log_file else subprocess.PIPE
+    out = open(log_file, "w") if log_file else (None if stream else subprocess.PIPE)
     proc = subprocess.Popen(torchrun_cmd(target, nproc, args), stdout=out, stderr=subprocess.STDOUT,
                             env=full_env, start_new_session=True, text=True)
     try:

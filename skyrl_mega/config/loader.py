@@ -23,16 +23,17 @@ def register_with_hydra() -> None:
 
 
 def load_config(recipe: Optional[str] = None, overrides: Sequence[str] = ()) -> SkyrlConfig:
-    base = OmegaConf.structured(SkyrlConfig)
-    try:
-        layers = [base]
-        if recipe:
-            layers.append(OmegaConf.load(recipe))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"overrides must look like key=value, got {bad}")
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.merge(*layers)
-    except (ConfigKeyError, ValidationError) as e:
-        msg = str(e).splitlines()[0]
-        raise ConfigError(f"config error in {recipe or 'overrides'}: {msg}") from None
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value, got {bad}")
+    cfg = OmegaConf.structured(SkyrlConfig)
+    layers = [(recipe, lambda: OmegaConf.load(recipe))] if recipe else []
+    layers.append(("command-line overrides", lambda: OmegaConf.from_dotlist(list(overrides))))
+    for where, make in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, make())
+        except (ConfigKeyError, ValidationError) as e:
+            key = getattr(e, "full_key", None)
+            msg = str(e).splitlines()[0]
+            raise ConfigError(f"config error in {where}" + (f" at '{key}'" if key else "") + f": {msg}") from None
+    return cfg

@@ -1,0 +1,88 @@
+"""`skyrl-mega` command line: make-tiny, train, demo, validate.
+
+In: a subcommand, a recipe YAML and `key=value` overrides. Out: the config is validated in
+this process (before any rank or process group starts), then torchrun launches the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "recipes", "qwen3_moe", "tiny_cpu.yaml")
+
+
+def _load_and_validate(recipe: str | None, overrides: list[str], nproc: int | None):
+    from skyrl_mega.config import load_config, validate_config
+
+    cfg = load_config(recipe, overrides)
+    world = nproc or cfg.parallel.world_size or 1
+    if cfg.model.make_tiny_if_missing and cfg.model.path and not os.path.isdir(cfg.model.path):
+        from skyrl_mega.models.tiny import make_tiny
+
+        print(f"making tiny {cfg.model.family} model at {cfg.model.path}", flush=True)
+        make_tiny(cfg.model.family, cfg.model.path)
+    validate_config(cfg, world)
+    return cfg, world
+
+
+def cmd_make_tiny(args) -> int:
+    from skyrl_mega.models.tiny import make_tiny
+
+    make_tiny(args.family, args.out_dir, seed=args.seed)
+    print(f"wrote tiny {args.family} checkpoint to {args.out_dir}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    cfg, world = _load_and_validate(args.recipe, args.overrides, args.nproc)
+    print(f"config OK for world size {world}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from skyrl_mega.launcher import run_torchrun
+
+    cfg, world = _load_and_validate(args.recipe, args.overrides, args.nproc)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    argv = ([args.recipe] if args.recipe else []) + list(args.overrides)
+    run_torchrun(args.entry, world, argv, timeout=args.timeout, env={"PYTHONUNBUFFERED": "1"},
+                 stream=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from skyrl_mega.config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="skyrl-mega", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("make-tiny", help="write a tiny random-weight HF checkpoint")
+    p.add_argument("family", help="qwen3_moe | qwen3_5_moe | nemotron3")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_tiny)
+
+    for name, fn, helptext in (("train", cmd_train, "launch training ranks with torchrun"),
+                               ("demo", cmd_train, "the tiny CPU demo (tiny_cpu recipe)"),
+                               ("validate", cmd_validate, "check a recipe + overrides and exit")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--recipe", default=DEFAULT_RECIPE if name == "demo" else None)
+        p.add_argument("--nproc", type=int, default=None, help="ranks (default: parallel.world_size)")
+        p.add_argument("--timeout", type=float, default=3600)
+        p.add_argument("--entry", default="skyrl_mega.lm_step_demo", help=argparse.SUPPRESS)
+        p.add_argument("overrides", nargs="*", help="key=value config overrides")
+        p.set_defaults(fn=fn)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"skyrl-mega: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

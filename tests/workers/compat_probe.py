@@ -1,0 +1,88 @@
+"""torchrun worker: checks each CPU compatibility patch on real gloo ranks; rank 0 writes JSON.
+
+Run: torchrun --nproc-per-node 2 tests/workers/compat_probe.py OUT.json
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    from skyrl_mega.megatron import compat
+
+    results = {}
+    assert not torch.cuda.is_available()
+    applied = compat.apply_cpu_compat()
+    results["applied"] = list(applied)
+    results["idempotent"] = compat.apply_cpu_compat() == applied and len(set(applied)) == len(applied)
+
+    # cuda_stubs
+    results["current_device_is_cpu"] = torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+    s = torch.cuda.Stream()
+    e = torch.cuda.Event()
+    e.record(s)
+    torch.cuda.synchronize()
+    results["stream_event_ok"] = e.query() is True
+
+    # cuda_to_cpu_mode
+    results["cuda_factory_on_cpu"] = torch.zeros(3, device="cuda").device.type == "cpu"
+    t = torch.ones(2)
+    results["dot_cuda_identity"] = t.cuda() is t
+    results["float_type_reported_cuda"] = t.type() == "torch.cuda.FloatTensor"
+    results["to_cuda_stays_cpu"] = t.to("cuda").device.type == "cpu"
+
+    # te_general_gemm
+    from megatron.core.transformer.moe import moe_utils
+
+    results["te_general_gemm_none"] = moe_utils.te_general_gemm is None
+
+    # gloo_all_to_all: tensor split sizes, uneven
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send_counts = torch.tensor([1 + rank, 2 + rank])  # to rank 0, to rank 1
+    inp = torch.cat([torch.full((int(c),), float(10 * rank + dst)) for dst, c in enumerate(send_counts)])
+    recv_counts = torch.tensor([1 + src if rank == 0 else 2 + src for src in range(world)])  # from each src
+    out = torch.empty(int(recv_counts.sum()))
+    dist.all_to_all_single(out, inp, recv_counts, send_counts)
+    expected = torch.cat([torch.full((int(c),), float(10 * src + rank)) for src, c in enumerate(recv_counts)])
+    results["gloo_all_to_all_tensor_splits"] = bool(torch.equal(out, expected))
+
+    # rng_tracker through megatron's own seeding
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    outer_before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(4)
+    results["fork_restores_outer_state"] = bool(torch.equal(outer_before, torch.get_rng_state()))
+    with tracker.fork():
+        b = torch.rand(4)
+    results["fork_stream_advances"] = not torch.equal(a, b)
+    expected_a = torch.Generator().manual_seed(123 + 2718 + rank)
+    results["fork_uses_tp_rank_seed"] = bool(torch.equal(a, torch.rand(4, generator=expected_a)))
+    gathered = [torch.empty(4) for _ in range(world)]
+    dist.all_gather(gathered, a)
+    results["tp_ranks_differ"] = not torch.equal(gathered[0], gathered[1])
+    states = tracker.get_states()
+    tracker.set_states({k: v.clone() for k, v in states.items()})
+    with tracker.fork():
+        c = torch.rand(4)
+    tracker.set_states(states)
+    with tracker.fork():
+        d = torch.rand(4)
+    results["states_round_trip"] = bool(torch.equal(c, d))
+    mpu.destroy_model_parallel()
+    if rank == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
