@@ -1,0 +1,53 @@
+"""A stand-in for a vLLM server process (for fast process-management tests, no vLLM).
+
+python fake_engine.py PORT [--grandchild]: serves GET /health and POST /inference/v1/generate
+(a deterministic answer in vLLM's format) on 127.0.0.1:PORT; with --grandchild it first
+starts a `sleep` child, like vLLM's EngineCore/Worker, to check that the whole process
+group is stopped. Writes its pid and the grandchild's pid to stdout.
+"""
+
+import subprocess
+import sys
+
+from aiohttp import web
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+from skyrl_mega.rollout.r3_wire import encode_vllm  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+async def health(request):
+    return web.Response(text="")
+
+
+async def generate(request):
+    body = await request.json()
+    toks = body["token_ids"]
+    sp = body["sampling_params"]
+    n, m = sp.get("n", 1), sp.get("max_tokens", 4)
+    choices = []
+    for i in range(n):
+        out = [(t + i) % 512 for t in range(1, m + 1)]
+        routes = np.zeros((len(toks) + m - 1, 4, 2), dtype=np.uint8)
+        choices.append({
+            "index": i, "token_ids": out, "finish_reason": "length",
+            "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -1.0} for t in out]},
+            "routed_experts": encode_vllm(routes),
+        })
+    return web.json_response({"request_id": body.get("request_id"), "choices": choices})
+
+
+def main():
+    port = int(sys.argv[1])
+    if "--grandchild" in sys.argv:
+        gc = subprocess.Popen(["sleep", "1000"])
+        print(f"grandchild {gc.pid}", flush=True)
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/inference/v1/generate", generate)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+if __name__ == "__main__":
+    main()
