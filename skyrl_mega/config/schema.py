@@ -7,7 +7,7 @@ Unknown keys are rejected by OmegaConf's structured merge; semantic checks live 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional
 
 
 @dataclass
@@ -51,6 +51,28 @@ class TrainConfig:
     global_batch_size: int = 8
     max_tokens_per_microbatch: Optional[int] = None  # dynamic batch size when set
     steps: int = 10
+    packing: bool = True  # THD sequence packing (False: one padded row per sample)
+    recompute_granularity: Optional[str] = None  # None | full (activation recompute, uniform, 1 layer)
+
+
+@dataclass
+class AlgorithmConfig:
+    """RL loss of the Megatron train step (skyrl_mega.megatron.train_step)."""
+
+    policy_loss: str = "ppo"  # ppo | gspo | cispo (algorithms.POLICY_LOSSES)
+    policy_loss_kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. eps_low, eps_high
+    reduction: str = "token_mean"  # token_mean | sequence_mean | seq_mean_token_sum_norm
+    max_len_norm: Optional[int] = None  # the constant of seq_mean_token_sum_norm
+    off_policy: Optional[str] = None  # None | tis | seq_tis | mis (rollout vs old logprobs)
+    off_policy_kwargs: Dict[str, Any] = field(default_factory=dict)
+    old_logprobs: str = "rollout"  # rollout (the engine's) | recompute (a forward before the update)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    use_reference: bool = False  # build a reference model (same HF path) for ref logprobs
+    entropy_coef: float = 0.0
+    temperature: float = 1.0  # logits / T, as at sampling
+    routing_replay: bool = False  # R3: replay the engine's routed experts
+    ref_routing_replay: bool = False  # the reference model replays them too
 
 
 @dataclass
@@ -60,3 +82,4 @@ class SkyrlConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output_dir: str = "runs/default"
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
