@@ -1,0 +1,572 @@
+"""The RL train step on Megatron ranks: old/ref logprobs, policy loss, optimizer update.
+
+In:  `RLBatch`, this data-parallel rank's samples (every rank of one model-parallel group gets
+     the same samples; `packing.shard_for_dp` splits a global batch), each a 1-D tensor per
+     sample, aligned with its prompt+response tokens:
+       input_ids [L] long, response_mask [L] (1 = a response token in the loss; index 0 never
+       is: nothing predicts the first token), advantages [L] float (or one scalar per sample),
+       rollout_logprobs [L] (engine logprob of token t at index t; needed unless
+       algorithm.old_logprobs=recompute), optional ref_logprobs [L], optional routed_experts
+       [L or L-1, moe_layers, topk] int (-1 = missing; see r3_replay.py).
+Out: `train_step` -> metrics dict (same on every rank): loss, pg_loss, pg_clipfrac, kl,
+     entropy, grad_norm, lr, logprob_diff_mean / logprob_diff_max (|train - rollout| over
+     response tokens), tokens, r3/coverage, skipped (1 when a non-finite loss or gradient made
+     the step skip the update; the gradients are zeroed and the LR schedule does not move).
+
+Per step: the micro-batch plan (`packing.plan_microbatches`: THD packing, token budget,
+balanced, equal micro-batch count on every DP rank) is made once and reused by every pass;
+old logprobs (forward only, algorithm.old_logprobs=recompute, else the rollout's), ref
+logprobs (a reference model built from the same HF path, no DDP / optimizer; only when the
+batch brings none), then forward+backward of `algorithms.compute_policy_loss` over the
+micro-batches through `forward.run_microbatches` (pipeline schedules included), then the
+distributed optimizer step (grad clipping inside) and the LR schedule.
+
+Loss scaling: the loss normalisers (valid tokens, sequences) are all-reduced over DP once for
+the whole global batch and every micro-batch returns its partial sum of the globally
+normalised loss (algorithms/reductions.py), so the summed gradient over micro-batches and DP
+ranks is the full-batch gradient whatever the split. Each micro-batch reports 0 tokens to
+megatron (`calculate_per_token_loss=True`), so neither the schedule nor
+`finalize_model_grads` rescales, and DDP sums over DP.
+
+Logprobs come from vocab-parallel logits (`logprobs.vocab_parallel_logprobs`, logits / T).
+Context parallel (TE spec only) is handled in the data path (zig-zag split of tokens, labels,
+routes; per-sample logprobs all-reduced over CP) but not exercised on CPU; sequence-level
+losses (gspo, seq_tis, mis) under CP are rejected. Virtual pipeline stages are not supported.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..algorithms import compute_policy_loss
+from . import forward as fwd
+from .attention import enable_packed_attention
+from .logprobs import vocab_parallel_logprobs
+from .packing import MicroBatchLayout, plan_microbatches
+from .r3_replay import R3Replay, align_routes, microbatch_routes
+
+SEQUENCE_LEVEL = {"gspo", "seq_tis", "mis"}
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class RLBatch:
+    """Samples of one data-parallel rank (see module docstring for shapes)."""
+
+    input_ids: list[Tensor]
+    response_mask: list[Tensor]
+    advantages: list[Tensor]
+    rollout_logprobs: Optional[list[Tensor]] = None
+    ref_logprobs: Optional[list[Tensor]] = None
+    routed_experts: Optional[list[Optional[Tensor]]] = None
+    old_logprobs: Optional[list[Tensor]] = None  # set by train_step (or the caller)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(t.numel()) for t in self.input_ids]
+
+    def select(self, indices: Sequence[int]) -> "RLBatch":
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
+        return RLBatch(**{f: pick(getattr(self, f)) for f in self.__dataclass_fields__})
+
+    def validate(self) -> None:
+        n = len(self.input_ids)
+        for name in ("response_mask", "advantages", "rollout_logprobs", "ref_logprobs", "routed_experts",
+                     "old_logprobs"):
+            xs = getattr(self, name)
+            if xs is not None and len(xs) != n:
+                raise ValueError(f"RLBatch.{name} has {len(xs)} entries for {n} samples")
+        for i, ids in enumerate(self.input_ids):
+            if ids.dim() != 1 or ids.numel() < 2:
+                raise ValueError(f"sample {i}: input_ids must be 1-D with >= 2 tokens, got {tuple(ids.shape)}")
+            for name in ("response_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs"):
+                xs = getattr(self, name)
+                if xs is not None and xs[i].shape != ids.shape:
+                    raise ValueError(f"sample {i}: {name} {tuple(xs[i].shape)} != input_ids {tuple(ids.shape)}")
+            adv = self.advantages[i]
+            if adv.numel() != 1 and adv.shape != ids.shape:
+                raise ValueError(f"sample {i}: advantages must be a scalar or [{ids.numel()}], got {tuple(adv.shape)}")
+
+
+# ---------------------------------------------------------------------------- models
+@dataclass
+class PolicyModel:
+    cfg: object
+    bridge: object
+    models: list
+    optimizer: object
+    scheduler: object
+    replay: Optional[R3Replay] = None
+    step: int = 0
+
+
+@dataclass
+class ReferenceModel:
+    bridge: object
+    models: list
+    replay: Optional[R3Replay] = None
+
+
+def _recompute_overrides(cfg) -> dict:
+    g = cfg.train.recompute_granularity
+    if not g:
+        return {}
+    if g != "full":
+        raise ValueError(f"train.recompute_granularity={g!r}: only 'full' (or null) is supported")
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def _check_replay_support():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if "moe_enable_routing_replay" not in TransformerConfig.__dataclass_fields__:
+        raise RuntimeError("algorithm.routing_replay needs megatron-core >= 0.16 (moe_enable_routing_replay)")
+
+
+def build_policy(cfg, total_steps: Optional[int] = None) -> PolicyModel:
+    """The trainable model (DDP chunks, HF weights), its optimizer and LR schedule, and the R3
+    handle when algorithm.routing_replay. Call after parallel.init_model_parallel."""
+    from .model import DTYPES, build_bridge, build_model
+    from .optimizer import build_optimizer
+
+    replay = bool(cfg.algorithm.routing_replay)
+    if replay:
+        _check_replay_support()
+    overrides = dict(_recompute_overrides(cfg))
+    if replay:
+        overrides["moe_enable_routing_replay"] = True
+    bridge = build_bridge(cfg, **overrides)
+    bridge, models = build_model(cfg, bridge=bridge)
+    _check_layout(models)
+    enable_packed_attention(models)
+    optimizer, scheduler = build_optimizer(models, cfg.optim, total_steps or cfg.train.steps, DTYPES[cfg.model.dtype])
+    handle = R3Replay.attach(models, bridge.moe_layers) if replay else None
+    return PolicyModel(cfg, bridge, models, optimizer, scheduler, handle)
+
+
+def build_reference(cfg) -> ReferenceModel:
+    """A frozen copy of the policy's initial weights (same HF path), no DDP / optimizer.
+
+    Safe to build before or after the policy: R3 handles own their routers (r3_replay.py);
+    the reference replays routes only with algorithm.ref_routing_replay."""
+    from .model import build_bridge
+
+    replay = bool(cfg.algorithm.ref_routing_replay)
+    overrides = {"moe_enable_routing_replay": True} if replay else {}
+    if replay:
+        _check_replay_support()
+    bridge = build_bridge(cfg, **overrides)
+    models = bridge.build(load_weights=True, wrap_with_ddp=False)
+    _check_layout(models)
+    for m in models:
+        m.eval()
+        for p in m.parameters():
+            p.requires_grad_(False)
+    enable_packed_attention(models)
+    handle = R3Replay.attach(models, bridge.moe_layers) if replay else None
+    return ReferenceModel(bridge, models, handle)
+
+
+def _check_layout(models):
+    if len(models) > 1:
+        raise NotImplementedError("virtual pipeline stages are not supported by the RL train step")
+
+
+# ---------------------------------------------------------------------------- parallel facts
+@dataclass
+class _Par:
+    tp: int = 1
+    tp_rank: int = 0
+    cp: int = 1
+    cp_rank: int = 0
+    sp: bool = False
+    dp_group: object = None
+    cp_group: object = None
+    pp_group: object = None
+    pp: int = 1
+    last_stage: bool = True
+
+    @classmethod
+    def current(cls, config) -> "_Par":
+        from megatron.core import parallel_state as mpu
+
+        return cls(
+            tp=mpu.get_tensor_model_parallel_world_size(), tp_rank=mpu.get_tensor_model_parallel_rank(),
+            cp=mpu.get_context_parallel_world_size(), cp_rank=mpu.get_context_parallel_rank(),
+            sp=bool(config.sequence_parallel), dp_group=mpu.get_data_parallel_group(),
+            cp_group=mpu.get_context_parallel_group(), pp_group=mpu.get_pipeline_model_parallel_group(),
+            pp=mpu.get_pipeline_model_parallel_world_size(), last_stage=mpu.is_pipeline_last_stage(),
+        )
+
+
+def _all_reduce(t: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+# ---------------------------------------------------------------------------- micro-batches
+@dataclass
+class StepPlan:
+    """Micro-batch layouts and aligned routes of one batch (reused by every pass of a step)."""
+
+    layouts: list[MicroBatchLayout]
+    routes: Optional[list[Optional[Tensor]]] = None  # aligned [L, moe_layers, topk] per sample
+    r3_counts: tuple[int, int] = (0, 0)  # (replayed token-layers, all token-layers)
+
+
+def plan_step(batch: RLBatch, cfg, bridge, par: Optional[_Par] = None, need_routes: bool = False) -> StepPlan:
+    """Micro-batch layouts for the batch (+ aligned R3 routes when needed)."""
+    par = par or _Par.current(bridge.config)
+    t = cfg.train
+    layouts = plan_microbatches(
+        batch.lengths, packed=bool(t.packing), max_tokens=t.max_tokens_per_microbatch if t.packing else None,
+        micro_batch_size=t.micro_batch_size, tp=par.tp, cp=par.cp, cp_rank=par.cp_rank, dp_group=par.dp_group,
+    )
+    plan = StepPlan(layouts)
+    if need_routes:
+        if batch.routed_experts is None:
+            raise ValueError("R3 is on (algorithm.routing_replay) but the batch has no routed_experts")
+        mc = bridge.config
+        nl, k, e = len(bridge.moe_layers), mc.moe_router_topk, mc.num_moe_experts
+        routes, replayed, total = [], 0, 0
+        for i, r in enumerate(batch.routed_experts):
+            n = batch.lengths[i]
+            a = None if r is None else align_routes(r, n, nl, k, e)
+            routes.append(a)
+            total += n * nl
+            replayed += 0 if a is None else int((a >= 0).all(-1).sum())
+        plan.routes, plan.r3_counts = routes, (replayed, total)
+    return plan
+
+
+def _rows(layout: MicroBatchLayout, per_sample: Optional[list[Tensor]], dtype=torch.float32) -> Tensor:
+    """Loss rows [n, Lmax-1]: column j of segment k = per_sample[k][j+1] (prediction-aligned)."""
+    idx, _ = layout.prediction_index()
+    out = torch.zeros(idx.shape, dtype=dtype)
+    if per_sample is None:
+        return out
+    for k, seg in enumerate(layout.segments):
+        if seg.sample >= 0 and seg.length > 1:
+            x = per_sample[seg.sample]
+            x = x.expand(seg.length) if x.numel() == 1 else x
+            out[k, : seg.length - 1] = x[1:].to(dtype)
+    return out
+
+
+def _model_inputs(layout: MicroBatchLayout, batch: RLBatch, plan: StepPlan, par: _Par, bridge,
+                  replay: bool) -> dict:
+    ids = [batch.input_ids[s] if s >= 0 else None for s in layout.samples]
+    mb = {
+        "input_ids": layout.to_local(layout.scatter(ids, fill=0, dtype=torch.long)),
+        "position_ids": layout.to_local(layout.position_ids()),
+        "labels": layout.to_local(layout.next_token_labels(ids)),
+        "layout": layout,
+    }
+    if layout.packed:
+        mb["cu_seqlens"] = layout.cu_seqlens(False)
+        mb["cu_seqlens_padded"] = layout.cu_seqlens(True)
+    if replay:
+        mc = bridge.config
+        segs = [plan.routes[s] if s >= 0 else None for s in layout.samples]
+        mb["routes"] = microbatch_routes(
+            layout, segs, num_moe_layers=len(bridge.moe_layers), topk=mc.moe_router_topk,
+            num_experts=mc.num_moe_experts, tp_size=par.tp, tp_rank=par.tp_rank, sequence_parallel=par.sp,
+        )
+    return mb
+
+
+def _kwargs_fn(replay_handle: Optional[R3Replay]):
+    def fn(mb):
+        if replay_handle is not None:
+            replay_handle.set_microbatch(mb["routes"])
+        if "cu_seqlens" not in mb:
+            return {}
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        m = mb["layout"].max_seqlen
+        return {"packed_seq_params": PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
+            cu_seqlens_q_padded=mb["cu_seqlens_padded"], cu_seqlens_kv_padded=mb["cu_seqlens_padded"],
+            max_seqlen_q=m, max_seqlen_kv=m)}
+
+    return fn
+
+
+def _run(models, mbs, loss_fn, forward_only, replay_handle, collect=False):
+    if replay_handle is None:
+        return fwd.run_microbatches(models, mbs, loss_fn, forward_only=forward_only, collect_non_loss_data=collect,
+                                    model_kwargs_fn=_kwargs_fn(None))
+    with replay_handle.session():
+        return fwd.run_microbatches(models, mbs, loss_fn, forward_only=forward_only, collect_non_loss_data=collect,
+                                    model_kwargs_fn=_kwargs_fn(replay_handle))
+
+
+def _per_sample(layout: MicroBatchLayout, local: Tensor, par: _Par, n_samples_out: list) -> None:
+    """Local prediction-position values [b, s_local] -> token-aligned per-sample tensors
+    (index t = value predicting token t; index 0 = 0), written into n_samples_out."""
+    full = torch.zeros(layout.num_tokens, dtype=torch.float32, device=local.device)
+    full[layout.local_positions().to(local.device)] = local.reshape(-1).float()
+    if par.cp > 1:
+        _all_reduce(full, par.cp_group)
+    for seg, x in zip(layout.segments, layout.gather(full.view(layout.rows, layout.width))):
+        if seg.sample >= 0:
+            n_samples_out[seg.sample] = torch.cat([x.new_zeros(1), x[:-1]]).cpu()
+
+
+# ---------------------------------------------------------------------------- logprobs
+def compute_logprobs(model, batch: RLBatch, cfg, plan: Optional[StepPlan] = None, *, replay: Optional[bool] = None,
+                     with_entropy: bool = False):
+    """Forward-only logprobs of every token (token-aligned [L], index 0 = 0) under `model`
+    (PolicyModel or ReferenceModel), logits / algorithm.temperature, vocab-parallel.
+
+    Returns a list per sample on the last pipeline stage (plus a list of entropies when
+    with_entropy), None on other stages. `replay`: replay the batch's routes (default: when
+    the model has an R3 handle)."""
+    handle = model.replay if (replay is None or replay) else None
+    if replay and handle is None:
+        raise ValueError("replay=True but the model was built without routing replay")
+    bridge = model.bridge
+    par = _Par.current(bridge.config)
+    plan = plan or plan_step(batch, cfg, bridge, par, need_routes=handle is not None)
+    if handle is not None and plan.routes is None:
+        plan = replace(plan, routes=plan_step(batch, cfg, bridge, par, need_routes=True).routes)
+    mbs = [_model_inputs(lay, batch, plan, par, bridge, handle is not None) for lay in plan.layouts]
+    temperature = float(cfg.algorithm.temperature)
+    vocab = getattr(bridge.hf_config, "vocab_size", None)
+
+    def loss_fn(mb, logits):
+        lp, ent = vocab_parallel_logprobs(logits, mb["labels"], temperature, with_entropy=with_entropy,
+                                          vocab_size=vocab)
+        return lp.detach(), (ent.detach() if ent is not None else None)
+
+    with torch.no_grad():
+        out = _run(model.models, mbs, loss_fn, True, handle, collect=True)
+    if not par.last_stage:
+        return None
+    lps, ents = [None] * len(batch), [None] * len(batch)
+    for mb, (lp, ent) in zip(mbs, out):
+        _per_sample(mb["layout"], lp, par, lps)
+        if with_entropy:
+            _per_sample(mb["layout"], ent, par, ents)
+    return (lps, ents) if with_entropy else lps
+
+
+# ---------------------------------------------------------------------------- loss
+SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "num_train_tokens",
+            "token_sum/pg/clipped", "token_sum/pg/approx_kl", "lp_diff_sum", "nonfinite")
+MAX_KEYS = ("lp_diff_max",)
+
+
+def _loss_inputs(layout: MicroBatchLayout, batch: RLBatch, old: list[Tensor], ref: Optional[list[Tensor]],
+                 counts: Tensor) -> dict:
+    idx, valid = layout.prediction_index()
+    f2l = layout.full_to_local()[idx]
+    owned = f2l >= 0
+    mask = (_rows(layout, batch.response_mask) > 0) & valid & owned
+    seq_counts = torch.tensor([int(counts[s]) if s >= 0 else 0 for s in layout.samples], dtype=torch.long)
+    d = {
+        "row_index": f2l.clamp(min=0), "row_mask": mask, "row_old": _rows(layout, old),
+        "row_adv": _rows(layout, batch.advantages), "seq_counts": seq_counts,
+    }
+    if batch.rollout_logprobs is not None:
+        d["row_rollout"] = _rows(layout, batch.rollout_logprobs)
+    if ref is not None:
+        d["row_ref"] = _rows(layout, ref)
+    return d
+
+
+def _make_loss_fn(cfg, vocab, n_tokens: Tensor, n_seqs: Tensor):
+    alg = cfg.algorithm
+    temperature = float(alg.temperature)
+    entropy_grad = alg.entropy_coef != 0.0
+
+    def loss_fn(mb, logits):
+        lp, ent = vocab_parallel_logprobs(logits, mb["labels"], temperature, with_entropy=True,
+                                          entropy_grad=entropy_grad, vocab_size=vocab)
+        idx, mask = mb["row_index"], mb["row_mask"]
+        rows_lp = lp.reshape(-1)[idx]
+        rows_ent = ent.reshape(-1)[idx]
+        rollout = mb.get("row_rollout")
+        loss, sums = compute_policy_loss(
+            rows_lp, mb["row_old"], mb["row_adv"], mask,
+            policy_loss=alg.policy_loss, policy_loss_kwargs=dict(alg.policy_loss_kwargs or {}),
+            reduction=alg.reduction, global_num_tokens=n_tokens, global_num_sequences=n_seqs,
+            max_len=alg.max_len_norm, seq_token_counts=mb["seq_counts"],
+            off_policy=alg.off_policy, off_policy_kwargs=dict(alg.off_policy_kwargs or {}),
+            rollout_logprobs=rollout, ref_logprobs=mb.get("row_ref"), kl_coef=float(alg.kl_coef),
+            kl_estimator=alg.kl_estimator, entropy=rows_ent, entropy_coef=float(alg.entropy_coef),
+        )
+        if rollout is not None:
+            diff = torch.where(mask, (rows_lp.detach() - rollout).abs(), torch.zeros_like(rollout))
+            sums["lp_diff_sum"] = diff.sum()
+            sums["lp_diff_max"] = diff.max() if diff.numel() else diff.new_zeros(())
+        sums["nonfinite"] = (~torch.isfinite(loss.detach())).float()
+        reported = {k: sums.get(k, torch.zeros((), device=lp.device)).detach().float()
+                    for k in SUM_KEYS + MAX_KEYS}
+        return loss, torch.zeros((), dtype=torch.int), reported
+
+    return loss_fn
+
+
+def loss_normalizers(batch: RLBatch, cfg, dp_group) -> tuple[Tensor, Tensor, Tensor]:
+    """(N_tokens, N_seqs) of the global batch (all-reduced over DP) and this rank's per-sample
+    valid-token counts (response tokens at index >= 1)."""
+    counts = torch.tensor([int((m[1:] > 0).sum()) for m in batch.response_mask], dtype=torch.long)
+    dev = fwd.device()
+    tot = torch.tensor([float(counts.sum()), float((counts > 0).sum())], dtype=torch.float64, device=dev)
+    _all_reduce(tot, dp_group)
+    return tot[0].float(), tot[1].float(), counts
+
+
+def forward_backward(policy: PolicyModel, batch: RLBatch, cfg, plan: StepPlan,
+                     ref_logprobs: Optional[list[Tensor]] = None) -> dict:
+    """Zeroes the grad buffers, runs forward+backward of the RL loss over the plan's
+    micro-batches; returns this rank's summed metrics (zeros on non-last pipeline stages).
+    Gradients are left in the DDP buffers (finalised: DP-reduced, not yet applied)."""
+    bridge = policy.bridge
+    par = _Par.current(bridge.config)
+    if batch.old_logprobs is None:
+        raise ValueError("forward_backward needs batch.old_logprobs (train_step fills them)")
+    n_tokens, n_seqs, counts = loss_normalizers(batch, cfg, par.dp_group)
+    handle = policy.replay if cfg.algorithm.routing_replay else None
+    if handle is not None and plan.routes is None:
+        raise ValueError("R3 is on but the plan has no routes (plan_step(..., need_routes=True))")
+    mbs = []
+    for lay in plan.layouts:
+        mb = _model_inputs(lay, batch, plan, par, bridge, handle is not None)
+        mb.update(_loss_inputs(lay, batch, batch.old_logprobs, ref_logprobs, counts))
+        mbs.append(mb)
+    for m in policy.models:
+        m.zero_grad_buffer()
+    policy.optimizer.zero_grad()
+    loss_fn = _make_loss_fn(cfg, getattr(bridge.hf_config, "vocab_size", None), n_tokens.to(fwd.device()),
+                            n_seqs.to(fwd.device()))
+    out = _run(policy.models, mbs, loss_fn, False, handle)
+    dev = fwd.device()
+    sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=dev)
+    maxes = torch.zeros(len(MAX_KEYS), dtype=torch.float64, device=dev)
+    for rep in out:
+        sums += torch.stack([rep[k].to(dev, torch.float64) for k in SUM_KEYS])
+        maxes = torch.maximum(maxes, torch.stack([rep[k].to(dev, torch.float64) for k in MAX_KEYS]))
+    return {"sums": sums, "maxes": maxes, "n_tokens": n_tokens, "n_seqs": n_seqs}
+
+
+def _grads_finite(models) -> bool:
+    ok = True
+    for m in models:
+        for buf in list(getattr(m, "buffers", [])) + list(getattr(m, "expert_parallel_buffers", [])):
+            ok = ok and bool(torch.isfinite(buf.grad_data).all())
+    return ok
+
+
+def _reduce_metrics(raw: dict, par: _Par) -> dict:
+    sums, maxes = raw["sums"].clone(), raw["maxes"].clone()
+    _all_reduce(sums, par.dp_group)
+    _all_reduce(maxes, par.dp_group, dist.ReduceOp.MAX)
+    if par.pp > 1:  # only the last stage has values; the others add zeros
+        _all_reduce(sums, par.pp_group)
+        _all_reduce(maxes, par.pp_group, dist.ReduceOp.MAX)
+    s = dict(zip(SUM_KEYS, sums.tolist()))
+    m = dict(zip(MAX_KEYS, maxes.tolist()))
+    n = max(s["num_tokens"], 1.0)
+    return {
+        "loss": s["loss"], "pg_loss": s["pg_loss"], "kl": s["kl_loss"], "entropy": s["entropy_loss"],
+        "pg_clipfrac": s["token_sum/pg/clipped"] / n, "approx_kl": s["token_sum/pg/approx_kl"] / n,
+        "logprob_diff_mean": s["lp_diff_sum"] / n, "logprob_diff_max": m["lp_diff_max"],
+        "tokens/response": s["num_tokens"], "tokens/train": s["num_train_tokens"],
+    }
+
+
+def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[ReferenceModel] = None) -> dict:
+    """One RL update on this DP rank's samples (collective over all ranks). See module docstring."""
+    t0 = time.perf_counter()
+    alg = cfg.algorithm
+    batch.validate()
+    bridge = policy.bridge
+    par = _Par.current(bridge.config)
+    if par.cp > 1 and (alg.policy_loss in SEQUENCE_LEVEL or (alg.off_policy or "") in SEQUENCE_LEVEL):
+        raise NotImplementedError("sequence-level losses / corrections under context parallelism")
+    if alg.old_logprobs not in ("rollout", "recompute"):
+        raise ValueError(f"algorithm.old_logprobs={alg.old_logprobs!r}: use 'rollout' or 'recompute'")
+    replay = bool(alg.routing_replay)
+    if replay and policy.replay is None:
+        raise ValueError("algorithm.routing_replay=true but the policy was built without it")
+    plan = plan_step(batch, cfg, bridge, par, need_routes=replay or (ref is not None and ref.replay is not None))
+    timings = {}
+
+    # old logprobs
+    t = time.perf_counter()
+    if alg.old_logprobs == "recompute":
+        old = compute_logprobs(policy, batch, cfg, plan, replay=replay)
+    else:
+        if batch.rollout_logprobs is None:
+            raise ValueError("algorithm.old_logprobs=rollout needs batch.rollout_logprobs")
+        old = batch.rollout_logprobs
+    timings["time/old_logprobs"] = time.perf_counter() - t
+    if not par.last_stage:  # only the last stage computes the loss; keep shapes valid elsewhere
+        old = old if old is not None else [torch.zeros(n) for n in batch.lengths]
+    batch = replace(batch, old_logprobs=old)
+
+    # reference logprobs
+    t = time.perf_counter()
+    ref_lp = batch.ref_logprobs
+    if ref_lp is None and (ref is not None or alg.kl_coef != 0.0):
+        if ref is None:
+            raise ValueError("algorithm.kl_coef != 0 needs a reference model or batch.ref_logprobs")
+        ref_lp = compute_logprobs(ref, batch, cfg, plan, replay=ref.replay is not None)
+        if ref_lp is None:
+            ref_lp = [torch.zeros(n) for n in batch.lengths]
+    timings["time/ref_logprobs"] = time.perf_counter() - t
+
+    # forward + backward
+    t = time.perf_counter()
+    raw = forward_backward(policy, batch, cfg, plan, ref_lp)
+    timings["time/forward_backward"] = time.perf_counter() - t
+
+    # skip non-finite updates
+    t = time.perf_counter()
+    bad = torch.tensor([float(raw["sums"][SUM_KEYS.index("nonfinite")] > 0 or not _grads_finite(policy.models))],
+                       device=fwd.device())
+    _all_reduce(bad, dist.group.WORLD if dist.is_initialized() else None, dist.ReduceOp.MAX)
+    skipped = bool(bad.item() > 0)
+    if skipped:
+        for m in policy.models:
+            m.zero_grad_buffer()
+        policy.optimizer.zero_grad()
+        grad_norm = float("nan")
+    else:
+        _, grad_norm, _ = policy.optimizer.step()
+        policy.scheduler.step(1)
+        policy.step += 1
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    timings["time/optimizer"] = time.perf_counter() - t
+
+    metrics = _reduce_metrics(raw, par)
+    metrics.update(timings)
+    lr = policy.optimizer.param_groups[0]["lr"] if hasattr(policy.optimizer, "param_groups") else float("nan")
+    replayed, total = plan.r3_counts
+    r3 = torch.tensor([float(replayed), float(total), float(sum(batch.lengths)),
+                       float(sum(lay.num_tokens for lay in plan.layouts))], dtype=torch.float64, device=fwd.device())
+    _all_reduce(r3, par.dp_group)
+    metrics.update({
+        "grad_norm": grad_norm, "lr": float(lr), "skipped": float(skipped),
+        "r3/coverage": float(r3[0] / r3[1]) if r3[1] > 0 else 0.0,
+        "tokens/total": float(r3[2]), "tokens/padded": float(r3[3]),
+        "num_microbatches": float(len(plan.layouts)), "time/step": time.perf_counter() - t0,
+    })
+    return metrics
+
+
+def nonfinite(x: float) -> bool:
+    return not math.isfinite(x)
