@@ -1,1 +1,1 @@
-
+"""Prompt datasets, the demo's synthetic task, and reward functions."""

@@ -1,0 +1,231 @@
+"""Megatron dist-ckpt save / resume, atomic, with a verifiable manifest.
+
+In: model chunks, the distributed optimizer, the LR scheduler and a JSON-able trainer state
+(step, sampler position, ...). Out: `<root>/step_<N>/` holding megatron's sharded checkpoint,
+every rank's RNG states (safetensors) and `trainer_state.json`, plus `skyrl_complete.json`: the
+manifest written last (file sizes + crc32). Ranks write into `step_<N>.partial/`, which is
+renamed only after every rank finished, so a crash mid-save never leaves a checkpoint that
+looks complete; a directory whose manifest is missing or whose files do not match it is
+skipped with a message, and the previous complete checkpoint is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "skyrl_complete.json"
+TRAINER_STATE = "trainer_state.json"
+OPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:06d}")
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _list_files(d: str) -> list[str]:
+    out = []
+    for base, _, files in os.walk(d):
+        out += [os.path.relpath(os.path.join(base, f), d) for f in files if f != MANIFEST]
+    return sorted(out)
+
+
+def _sharded_state(models, optimizer, scheduler, is_loading: bool) -> dict:
+    state = {}
+    for i, m in enumerate(models):
+        state[f"model{i}" if len(models) > 1 else "model"] = _unwrap(m).sharded_state_dict()
+    if optimizer is not None:
+        model_sd = {}
+        for v in state.values():
+            model_sd.update(v)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPT_FORMAT)
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    return state
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    from megatron.core import tensor_parallel
+
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["torch_cuda"] = torch.cuda.get_rng_state()
+    for name, st in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        out[f"tracker.{name}"] = st.clone() if isinstance(st, torch.Tensor) else torch.as_tensor(st)
+    return out
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available() and "torch_cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["torch_cuda"])
+    tracker = {k[len("tracker."):]: v for k, v in tensors.items() if k.startswith("tracker.")}
+    if tracker:
+        tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+
+
+def save_checkpoint(root: str, step: int, models, optimizer=None, scheduler=None,
+                    trainer_state: dict | None = None, keep_last: int | None = None) -> str:
+    """Collective: every rank calls it. Returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    final, partial = step_dir(root, step), step_dir(root, step) + ".partial"
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(os.path.join(partial, "rng"), exist_ok=True)
+    _barrier()
+    dist_checkpointing.save(_sharded_state(models, optimizer, scheduler, is_loading=False), partial)
+    save_file(_rng_tensors(), os.path.join(partial, "rng", f"rank_{_rank():05d}.safetensors"))
+    if _rank() == 0:
+        with open(os.path.join(partial, TRAINER_STATE), "w") as f:
+            json.dump({"step": step, **(trainer_state or {})}, f)
+    _barrier()
+    if _rank() == 0:
+        files = {p: {"bytes": os.path.getsize(os.path.join(partial, p)), "crc32": _crc32(os.path.join(partial, p))}
+                 for p in _list_files(partial)}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        with open(os.path.join(partial, MANIFEST), "w") as f:
+            json.dump({"step": step, "world_size": world, "files": files}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        if keep_last:
+            prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def verify_checkpoint(path: str) -> str | None:
+    """None when the directory is a complete, intact checkpoint; else why not."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest):
+        return "no completion manifest (the save did not finish)"
+    try:
+        meta = json.load(open(manifest))
+    except (OSError, json.JSONDecodeError) as e:
+        return f"unreadable manifest ({e})"
+    for rel, want in meta.get("files", {}).items():
+        p = os.path.join(path, rel)
+        if not os.path.exists(p):
+            return f"missing file {rel}"
+        if os.path.getsize(p) != want["bytes"]:
+            return f"{rel} has {os.path.getsize(p)} bytes, manifest says {want['bytes']}"
+        if _crc32(p) != want["crc32"]:
+            return f"{rel} fails its checksum"
+    return None
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))]
+    return sorted(found)
+
+
+def find_latest(root: str, log=print) -> str | None:
+    """The newest checkpoint that verifies; explains each one skipped."""
+    for step, path in reversed(list_checkpoints(root)):
+        why = verify_checkpoint(path)
+        if why is None:
+            return path
+        log(f"[checkpoint] skipping {path}: {why}")
+    return None
+
+
+def prune(root: str, keep_last: int) -> None:
+    complete = [p for _, p in list_checkpoints(root) if verify_checkpoint(p) is None]
+    for path in complete[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """A fresh torch Adam has no per-param state and no 'step'; megatron's distributed optimizer
+    (without apex/TE) asserts on that when building the load request. Take one zero-gradient
+    inner step, as megatron itself does for its FSDP path; the loaded state then replaces it."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or len(inner.state) > 0:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.numel():
+                    p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad()
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """torch Adam keeps 'step' per parameter; megatron's checkpoint keeps it per param group and
+    (without apex/TE) leaves the per-parameter steps at their pre-load values. Copy it back so
+    bias correction after a resume equals the uninterrupted run's."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            if group.get("step") is None:
+                continue
+            for p in group["params"]:
+                if p in inner.state and "step" in inner.state[p]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def load_checkpoint(path: str, models, optimizer=None, scheduler=None) -> dict:
+    """Collective. Restores weights, optimizer, scheduler and this rank's RNG; returns trainer state."""
+    from megatron.core import dist_checkpointing
+
+    why = verify_checkpoint(path)
+    if why is not None:
+        raise CheckpointError(f"{path} is not a usable checkpoint: {why}")
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(_sharded_state(models, optimizer, scheduler, is_loading=True), path)
+    for i, m in enumerate(models):
+        _unwrap(m).load_state_dict(loaded[f"model{i}" if len(models) > 1 else "model"])
+    if optimizer is not None:
+        with torch.no_grad():  # fp32 main params are views of the (leaf) model params
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    rng_file = os.path.join(path, "rng", f"rank_{_rank():05d}.safetensors")
+    if not os.path.exists(rng_file):
+        raise CheckpointError(f"{path} has no RNG state for rank {_rank()} (saved with another world size?)")
+    _restore_rng(load_file(rng_file))
+    return json.load(open(os.path.join(path, TRAINER_STATE)))

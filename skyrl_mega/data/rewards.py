@@ -1,0 +1,70 @@
+"""Reward functions: a registry of rule-based scorers.
+
+In: the response text, the ground truth and the sample's metadata. Out: a float in [0, 1].
+Register your own with `@register_reward("name")`; pick it per sample by `data_source`
+(or the config's default).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+RewardFn = Callable[[str, Any, dict], float]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str, *, override: bool = False):
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in REWARDS and not override:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_reward(name: str) -> RewardFn:
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)}")
+    return REWARDS[name]
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_final_number(text: str) -> str | None:
+    """GSM8K style: the number after '####' if present, else the last number in the text."""
+    if "####" in text:
+        text = text.split("####")[-1]
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    return found[-1].replace(",", "").rstrip(".")
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return abs(float(a) - float(b)) < 1e-6
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+@register_reward("gsm8k")
+def gsm8k_reward(response: str, ground_truth: Any, meta: dict) -> float:
+    """1.0 when the response's final number equals the ground truth's final number."""
+    truth = extract_final_number(str(ground_truth)) if ground_truth is not None else None
+    got = extract_final_number(response)
+    return float(truth is not None and got is not None and _same_number(got, truth))
+
+
+@register_reward("digits")
+def digits_reward(response: str, ground_truth: Any, meta: dict) -> float:
+    """Dense synthetic reward for the demo: the fraction of non-space characters that are the
+    digit named by the ground truth (e.g. "7"), so a random policy starts near 0 and a policy
+    that learns to answer "777..." reaches 1."""
+    chars = [c for c in response if not c.isspace()]
+    if not chars:
+        return 0.0
+    target = str(ground_truth)
+    return sum(c == target for c in chars) / len(chars)
