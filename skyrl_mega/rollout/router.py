@@ -10,9 +10,17 @@ use `EngineControl(server_urls)` for those.
 
 The router itself waits (up to --worker-startup-timeout-secs) for every worker to be
 healthy before it listens, so "router healthy" implies "workers were healthy".
+
+A dead worker: the router answers 500 ("Request failed: error sending request") at once,
+then 503 ("No available workers (all circuits open or unhealthy)") while its circuit
+breaker is open. With the router's defaults it took 57 s after the worker was healthy
+again to route to it; with --cb-timeout-duration-secs 2 --health-success-threshold 1
+(the defaults here) it routes again at once. The client retries 5xx, so a restarted
+server simply picks the retried requests up.
 CLI flags used (checked with `vllm-router --help`): --host --port --worker-urls --policy
 --prometheus-port (default 29000 would collide between routers) --health-check-interval-secs
---worker-startup-timeout-secs --request-timeout-secs --log-level.
+--health-success-threshold --cb-timeout-duration-secs --worker-startup-timeout-secs
+--request-timeout-secs --log-level.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ class RouterProcess:
         port: int | None = None,
         policy: str = "round_robin",
         health_check_interval_s: int = 2,
+        health_success_threshold: int = 1,
+        circuit_breaker_timeout_s: int = 2,
         worker_startup_timeout_s: int = 300,
         request_timeout_s: int = 3600,
         startup_timeout_s: float = 120.0,
@@ -67,6 +77,8 @@ class RouterProcess:
             "--policy", policy,
             "--prometheus-port", str(free_port(host)),
             "--health-check-interval-secs", str(health_check_interval_s),
+            "--health-success-threshold", str(health_success_threshold),
+            "--cb-timeout-duration-secs", str(circuit_breaker_timeout_s),
             "--worker-startup-timeout-secs", str(worker_startup_timeout_s),
             "--request-timeout-secs", str(request_timeout_s),
             "--log-level", log_level,

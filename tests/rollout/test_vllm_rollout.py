@@ -1,0 +1,393 @@
+"""The rollout stack against a real vLLM CPU server behind vllm-router (tiny Qwen3-MoE, fp32).
+
+ONE server and ONE router for the whole module (module-scoped fixture); the tests run in
+file order and the crash test comes last (a restarted server is back on the original
+weights). Every wait has a timeout.
+"""
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from skyrl_mega.rollout import r3_wire
+from skyrl_mega.rollout.client import RolloutClient, SamplingParams
+from skyrl_mega.rollout.control import EngineControl
+from skyrl_mega.rollout.cpu_transport import SharedMemoryTransport
+from skyrl_mega.rollout.errors import RolloutBadRequestError, RolloutConnectionError, RolloutError, RolloutTimeoutError
+from skyrl_mega.rollout.router import RouterProcess
+from skyrl_mega.rollout.servers import ServerConfig, ServerManager
+
+from .hf_reference import HFReference, max_abs_diff, perturbed_checkpoint
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
+
+MAX_MODEL_LEN = 1024  # the tiny model's max_position_embeddings
+TOL = 1e-4
+MOE = dict(moe_layers=[1, 2, 3], num_hidden_layers=4, num_experts=8)  # tiny Qwen3-MoE
+
+
+def run(coro, timeout=120):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_qwen3_moe_vllm, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("rollout_logs"))
+    cfg = ServerConfig(model=tiny_qwen3_moe_vllm, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
+    sm = ServerManager(cfg, num_servers=1, log_dir=logs, startup_timeout_s=240, watch_interval_s=0.5)
+    sm.start()
+    try:
+        router = RouterProcess(sm.urls, log_dir=logs, startup_timeout_s=60).start()
+        try:
+            yield {"sm": sm, "router": router, "ctl": EngineControl(sm.urls, timeout_s=60), "model": tiny_qwen3_moe_vllm}
+        finally:
+            router.stop()
+    finally:
+        sm.stop()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_qwen3_moe_vllm):
+    return HFReference(tiny_qwen3_moe_vllm)
+
+
+def prompts(k, seed=0, lo=8, hi=24):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 512, size=int(rng.integers(lo, hi))).tolist() for _ in range(k)]
+
+
+async def rollout(url, ps, sampling, **kw):
+    async with RolloutClient(url, deadline_s=120, **kw) as c:
+        return await c.generate_batch(ps, sampling)
+
+
+def check_against_hf(hf, gens, check_routes=True):
+    """Max |logprob diff| over every sample; asserts routes equal HF's top-k exactly."""
+    worst = 0.0
+    n_tokens = 0
+    for g in gens:
+        for s in g.samples:
+            ref_lp, ref_routes = hf.score(g.prompt_token_ids, s.token_ids)
+            worst = max(worst, max_abs_diff(s.logprobs, ref_lp))
+            if check_routes:
+                rows = len(g.prompt_token_ids) + len(s.token_ids) - 1
+                assert s.routed_experts.shape == (rows, len(hf.moe_layers), hf.top_k)
+                np.testing.assert_array_equal(s.routed_experts, ref_routes[:rows])
+                n_tokens += rows
+    return worst, n_tokens
+
+
+# -- 1. parity ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def first_rollout(stack):
+    """4 prompts x n=3 through the router; routes as vLLM reports them (all layers)."""
+    sampling = SamplingParams(max_tokens=24, n=3, temperature=1.0, seed=1234)
+    return run(rollout(stack["router"].url, prompts(4), sampling))
+
+
+def test_logprobs_match_transformers(hf, first_rollout):
+    worst, _ = check_against_hf(hf, first_rollout, check_routes=False)
+    assert sum(len(s.token_ids) for g in first_rollout for s in g.samples) > 50
+    assert worst < TOL, f"max |logprob diff| {worst}"
+
+
+def test_routed_experts_match_transformers(hf, first_rollout):
+    n_layers = hf.config.num_hidden_layers
+    moe = r3_wire.moe_layer_ids(hf.config)
+    assert moe == hf.moe_layers == [1, 2, 3]
+    checked = 0
+    for g in first_rollout:
+        for s in g.samples:
+            raw = s.routed_experts  # vLLM: all layers, dense layer 0 holds zeros
+            assert raw.dtype == np.uint8 and raw.shape[1] == n_layers
+            assert not raw[:, 0].any()
+            moe_routes = r3_wire.select_moe_layers(raw, moe, n_layers)
+            _, ref = hf.score(g.prompt_token_ids, s.token_ids)
+            rows = len(g.prompt_token_ids) + len(s.token_ids) - 1
+            # every token (prompt + all generated but the last) and every MoE layer: 100%
+            np.testing.assert_array_equal(moe_routes, ref[:rows])
+            aligned, valid = s.aligned_routes(len(g.prompt_token_ids))
+            assert aligned.shape[0] == rows + 1 and valid.sum() == rows
+            checked += moe_routes.size
+    assert checked > 1000
+
+
+def test_client_maps_moe_layers_and_direct_equals_router(stack, hf):
+    """moe_layers on the client gives [tokens, moe_layers, k]; same seed, same sample on both paths."""
+    sampling = SamplingParams(max_tokens=12, n=2, seed=7)
+    ps = prompts(2, seed=5)
+    direct = run(rollout(stack["sm"].urls[0], ps, sampling, **MOE))
+    routed = run(rollout(stack["router"].url, ps, sampling, **MOE))
+    for a, b in zip(direct, routed):
+        for sa, sb in zip(a.samples, b.samples):
+            assert sa.token_ids == sb.token_ids
+            np.testing.assert_array_equal(sa.routed_experts, sb.routed_experts)
+    worst, n = check_against_hf(hf, direct)
+    assert worst < TOL and n > 0
+
+
+# -- 2. bad inputs on the real server ----------------------------------------------------------
+def test_bad_inputs_are_clear_errors(stack):
+    url = stack["router"].url
+
+    async def go():
+        async with RolloutClient(url, deadline_s=30) as c:
+            with pytest.raises(RolloutBadRequestError, match="empty"):
+                await c.generate([], SamplingParams(max_tokens=4))
+            with pytest.raises(RolloutBadRequestError, match="maximum model length") as ei:
+                await c.generate(list(range(3, 3 + MAX_MODEL_LEN + 10)), SamplingParams(max_tokens=4))
+            assert ei.value.status == 400
+            # at exactly max_model_len there is no room for one generated token: also 400
+            with pytest.raises(RolloutBadRequestError):
+                await c.generate([5] * MAX_MODEL_LEN, SamplingParams(max_tokens=4))
+            # the server is fine afterwards
+            g = await c.generate([5, 6, 7], SamplingParams(max_tokens=4, seed=0))
+            assert len(g.samples[0].token_ids) >= 1
+        async with RolloutClient(url, deadline_s=30, max_model_len=MAX_MODEL_LEN) as c:
+            with pytest.raises(RolloutBadRequestError, match="before sending"):
+                await c.generate([5] * MAX_MODEL_LEN, SamplingParams(max_tokens=4))
+
+    t0 = time.monotonic()
+    run(go(), timeout=60)
+    assert time.monotonic() - t0 < 30
+
+
+def test_unreachable_server_is_a_clear_error():
+    from skyrl_mega.rollout.procs import free_port
+
+    t0 = time.monotonic()
+    with pytest.raises(RolloutConnectionError):
+        run(rollout(f"http://127.0.0.1:{free_port()}", [[5, 6]], SamplingParams(max_tokens=2),
+                    max_retries=2, backoff_base_s=0.05), timeout=30)
+    assert time.monotonic() - t0 < 10
+
+
+# -- 3. pause modes ------------------------------------------------------------------------------
+# Long enough (seconds) that a pause lands mid-generation even when this process is starved
+# of CPU by the engine on a 2-core box.
+LONG = SamplingParams(max_tokens=MAX_MODEL_LEN - 40, n=1, seed=99, ignore_eos=True)
+
+
+async def pause_mid_generation(client, ctl, prompt, sampling, mode, tries=4):
+    """Starts a long generation and pauses every engine while it runs; returns its task.
+
+    On a starved 2-core box the generation may finish before the pause takes hold: then
+    resume and try again (a keep-paused request stays unfinished; an aborted one comes
+    back "abort"; for "wait" it must still be running when the pause is sent).
+    """
+    for _ in range(tries):
+        task = asyncio.ensure_future(client.generate(prompt, sampling))
+        await asyncio.sleep(0.3)
+        if task.done():
+            continue
+        await asyncio.to_thread(ctl.pause, mode)
+        if mode == "wait":
+            return task
+        await asyncio.sleep(0.3)
+        if mode == "keep" and not task.done():
+            return task
+        if mode == "abort":
+            gen = await asyncio.wait_for(task, 10)
+            if gen.samples[0].finish_reason == "abort":
+                return task
+        await asyncio.to_thread(ctl.resume)
+        await task
+    pytest.fail(f"could not pause ({mode}) a generation in flight in {tries} tries")
+
+
+def test_pause_keep_inflight_finishes_correctly_after_resume(stack):
+    url, ctl = stack["router"].url, stack["ctl"]
+    prompt = prompts(1, seed=11)[0]
+
+    async def go():
+        async with RolloutClient(url, deadline_s=120) as c:
+            t0 = time.monotonic()
+            ref = await c.generate(prompt, LONG)
+            plain_s = time.monotonic() - t0
+            task = await pause_mid_generation(c, ctl, prompt, LONG, "keep")
+            assert (await asyncio.to_thread(ctl.is_paused)) == {u: True for u in ctl.urls}
+            await asyncio.sleep(max(1.0, 1.2 * plain_s))  # long enough to have finished unpaused
+            assert not task.done(), "a keep-mode pause did not freeze the request"
+            # a request sent while paused queues and runs after resume
+            queued = asyncio.ensure_future(c.generate(prompt, LONG))
+            await asyncio.sleep(0.3)
+            assert not queued.done()
+            await asyncio.to_thread(ctl.resume)
+            got, again = await asyncio.gather(task, queued)
+            return ref, got, again
+
+    ref, got, again = run(go(), timeout=180)
+    for g in (got, again):
+        s, r = g.samples[0], ref.samples[0]
+        assert s.finish_reason == "length" and len(s.token_ids) == LONG.max_tokens
+        assert s.token_ids == r.token_ids  # same seed: the frozen request continued exactly
+        assert max_abs_diff(s.logprobs, r.logprobs) < TOL
+        np.testing.assert_array_equal(s.routed_experts, r.routed_experts)
+    assert ctl.is_paused() == {u: False for u in ctl.urls}
+
+
+def test_pause_wait_and_abort(stack):
+    url, ctl = stack["router"].url, stack["ctl"]
+    prompt = prompts(1, seed=12)[0]
+
+    async def go():
+        async with RolloutClient(url, deadline_s=120) as c:
+            # wait: /pause returns only after the in-flight request finished normally
+            task = await pause_mid_generation(c, ctl, prompt, LONG, "wait")
+            assert task.done()
+            waited = task.result()
+            await asyncio.to_thread(ctl.resume)
+            # abort: the in-flight request comes back at once with finish_reason "abort"
+            task = await pause_mid_generation(c, ctl, prompt, LONG, "abort")
+            aborted = task.result()
+            await asyncio.to_thread(ctl.resume)
+            after = await c.generate(prompt, SamplingParams(max_tokens=4, seed=1))
+            return waited, aborted, after
+
+    waited, aborted, after = run(go(), timeout=180)
+    assert waited.samples[0].finish_reason == "length" and len(waited.samples[0].token_ids) == LONG.max_tokens
+    s = aborted.samples[0]
+    assert s.finish_reason == "abort" and len(s.token_ids) < LONG.max_tokens
+    assert len(after.samples[0].token_ids) == 4
+
+
+# -- 4. weight updates through /dev/shm -------------------------------------------------------------
+def _send_update(transport, tensors, version):
+    experts = [(k, v) for k, v in tensors.items() if ".experts." in k]
+    rest = [(k, v) for k, v in tensors.items() if ".experts." not in k]
+    with transport.update(version) as send:
+        send(experts)  # one expert-grouped bucket
+        send(rest)
+    return transport.last_report
+
+
+def test_weight_update_cpu_moe_bug_and_fix(stack, hf, tmp_path_factory):
+    ctl, url = stack["ctl"], stack["router"].url
+    base = stack["model"]
+    d1, d2 = (str(tmp_path_factory.mktemp(f"weights_v{i}")) for i in (1, 2))
+    w1 = perturbed_checkpoint(base, d1, seed=1)
+    w2 = perturbed_checkpoint(base, d2, seed=2)
+    transport = SharedMemoryTransport(ctl, pause_mode="keep")
+    sampling = SamplingParams(max_tokens=16, n=2, seed=3)
+    ps = prompts(3, seed=21)
+    hf.load(d1)
+
+    # without the fix (switched off inside the engine): vLLM CPU's in-place update is wrong
+    assert ctl.collective_rpc("skyrl_set_moe_reload_fix", {"enabled": "0"}) == {
+        u: [{"enabled": False, "installed": True}] for u in ctl.urls
+    }
+    try:
+        _send_update(transport, w1, "1-nofix")
+        broken, _ = check_against_hf(hf, run(rollout(url, ps, sampling, **MOE)), check_routes=False)
+    finally:
+        ctl.collective_rpc("skyrl_set_moe_reload_fix", {"enabled": "1"})
+    assert broken > 1e-2, f"expected the known CPU MoE reload bug to show, max diff {broken}"
+
+    # with the fix: same weights again, then a second update
+    for version, weights, d in ((1, w1, d1), (2, w2, d2)):
+        report = _send_update(transport, weights, version)
+        assert report == {u: [{"version": version, "num_tensors": len(weights),
+                                "seconds": report[u][0]["seconds"], "rank": 0}] for u in ctl.urls}
+        assert ctl.weight_versions() == {u: str(version) for u in ctl.urls}
+        assert ctl.collective_rpc("skyrl_weight_version") == {u: [{"version": version, "rank": 0}] for u in ctl.urls}
+        assert ctl.is_paused() == {u: False for u in ctl.urls}
+        hf.load(d)
+        worst, n = check_against_hf(hf, run(rollout(url, ps, sampling, **MOE)))
+        assert worst < TOL, f"after update {version}: max |logprob diff| {worst}"
+        assert n > 0
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("skyrl_mega_w")]
+
+
+def test_keep_pause_across_a_weight_update(stack, hf, tmp_path_factory):
+    """A request frozen by a keep-mode pause survives an update: its tokens before the pause
+    were sampled by the old weights, the rest by the new ones (KV recomputed)."""
+    ctl, url = stack["ctl"], stack["router"].url
+    d_old = str(tmp_path_factory.mktemp("weights_v2_again"))
+    d_new = str(tmp_path_factory.mktemp("weights_v3"))
+    perturbed_checkpoint(stack["model"], d_old, seed=2)  # what the engine holds now (v2)
+    w_new = perturbed_checkpoint(stack["model"], d_new, seed=3)
+    assert ctl.weight_versions() == {u: "2" for u in ctl.urls}
+    transport = SharedMemoryTransport(ctl, pause_mode="keep", kv_after_update="recompute")
+    prompt = prompts(1, seed=31)[0]
+
+    async def go():
+        async with RolloutClient(url, deadline_s=120) as c:
+            task = await pause_mid_generation(c, ctl, prompt, LONG, "keep")  # frozen in flight
+            # the transport pauses (keep; already paused), loads, recomputes KV, resumes
+            await asyncio.to_thread(_send_update, transport, w_new, 3)
+            return await asyncio.wait_for(task, 60)
+
+    gen = run(go(), timeout=180)
+    s = gen.samples[0]
+    assert s.finish_reason == "length" and len(s.token_ids) == LONG.max_tokens
+    hf.load(d_old)
+    old_lp, _ = hf.score(gen.prompt_token_ids, s.token_ids)
+    hf.load(d_new)
+    new_lp, _ = hf.score(gen.prompt_token_ids, s.token_ids)
+    lp = np.asarray(s.logprobs)
+    splits = [k for k in range(1, len(lp)) if max_abs_diff(lp[:k], old_lp[:k]) < TOL and max_abs_diff(lp[k:], new_lp[k:]) < TOL]
+    d_o, d_n = np.abs(lp - old_lp), np.abs(lp - new_lp)
+    assert splits, f"logprobs are neither old-then-new weights: |old| {np.round(d_o, 5).tolist()} |new| {np.round(d_n, 5).tolist()}"
+
+
+# -- 5. a crash mid-rollout (last: the restarted server is back on the original weights) ---------
+def _engine_worker_pids(leader):
+    def kids(pid):
+        out = []
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    with open(f"/proc/{p}/stat") as f:
+                        if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                            out.append(int(p))
+                except (OSError, ValueError, IndexError):
+                    pass
+        return out
+
+    return [w for c in kids(leader) for w in kids(c)] or kids(leader)
+
+
+def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
+    sm, url = stack["sm"], stack["router"].url
+    server = sm.servers[0]
+    leader = server.child.pid
+    ps = prompts(8, seed=41)
+    sampling = SamplingParams(max_tokens=400, n=2, seed=5, ignore_eos=True)
+    victims = _engine_worker_pids(leader)
+    assert victims
+
+    async def go():
+        patient = RolloutClient(url, deadline_s=180, max_retries=100, backoff_max_s=2.0, **MOE)
+        impatient = RolloutClient(url, deadline_s=4.0, max_retries=100, backoff_max_s=0.5)
+        async with patient, impatient:
+            batch = asyncio.ensure_future(patient.generate_batch(ps, sampling))
+            await asyncio.sleep(0.5)
+            assert not batch.done()
+            for pid in victims:  # the engine's worker dies, as in a real crash
+                os.kill(pid, signal.SIGKILL)
+            t_kill = time.monotonic()
+            await asyncio.sleep(1.0)
+            # a short-deadline caller gets a clear error, not a hang
+            with pytest.raises(RolloutError) as ei:
+                await impatient.generate(ps[0], SamplingParams(max_tokens=8))
+            assert isinstance(ei.value, (RolloutTimeoutError, RolloutConnectionError)) or (
+                getattr(ei.value, "status", 0) or 0) >= 500, repr(ei.value)
+            gens = await batch
+            return gens, time.monotonic() - t_kill, patient.stats
+
+    gens, recovered_s, stats = run(go(), timeout=240)
+    assert server.restarts == 1 and server.child.pid != leader, sm.events
+    assert any("restarting" in e for e in sm.events)
+    assert stats["retries"] > 0
+    assert all(len(s.token_ids) == 400 and s.finish_reason == "length" for g in gens for s in g.samples)
+    # prompts answered after the restart come from the original weights: exact again
+    retried = [g for g in gens if g.attempts > 1]
+    assert retried
+    hf.load(stack["model"])
+    worst, _ = check_against_hf(hf, retried)
+    assert worst < TOL
+    assert recovered_s < 180
