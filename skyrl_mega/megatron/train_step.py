@@ -36,9 +36,8 @@ losses (gspo, seq_tis, mis) under CP are rejected. Virtual pipeline stages are n
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -96,6 +95,40 @@ class RLBatch:
             adv = self.advantages[i]
             if adv.numel() != 1 and adv.shape != ids.shape:
                 raise ValueError(f"sample {i}: advantages must be a scalar or [{ids.numel()}], got {tuple(adv.shape)}")
+
+
+def validate_algorithm(cfg) -> None:
+    """Raises ValueError listing every unusable algorithm.* / train.* setting of the RL step
+    (names checked against the algorithms registries). Cheap; call it before launching ranks."""
+    from ..algorithms import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, REDUCTION_MODES
+
+    alg, problems = cfg.algorithm, []
+    if alg.policy_loss not in POLICY_LOSSES:
+        problems.append(f"algorithm.policy_loss={alg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
+    if alg.reduction not in REDUCTION_MODES:
+        problems.append(f"algorithm.reduction={alg.reduction!r} is not one of {list(REDUCTION_MODES)}")
+    if alg.reduction == "seq_mean_token_sum_norm" and not (alg.max_len_norm and alg.max_len_norm > 0):
+        problems.append("algorithm.reduction=seq_mean_token_sum_norm needs algorithm.max_len_norm > 0")
+    if alg.off_policy is not None and alg.off_policy not in OFF_POLICY_CORRECTIONS:
+        problems.append(f"algorithm.off_policy={alg.off_policy!r} is not one of {sorted(OFF_POLICY_CORRECTIONS)}")
+    if alg.kl_estimator not in KL_ESTIMATORS:
+        problems.append(f"algorithm.kl_estimator={alg.kl_estimator!r} is not one of {sorted(KL_ESTIMATORS)}")
+    if alg.old_logprobs not in ("rollout", "recompute"):
+        problems.append(f"algorithm.old_logprobs={alg.old_logprobs!r}: use 'rollout' or 'recompute'")
+    if alg.temperature <= 0:
+        problems.append(f"algorithm.temperature must be > 0, got {alg.temperature}")
+    if alg.ref_routing_replay and not alg.use_reference:
+        problems.append("algorithm.ref_routing_replay needs algorithm.use_reference=true")
+    if cfg.train.recompute_granularity not in (None, "full"):
+        problems.append(f"train.recompute_granularity={cfg.train.recompute_granularity!r}: use null or 'full'")
+    if cfg.train.max_tokens_per_microbatch is not None and cfg.train.max_tokens_per_microbatch < 1:
+        problems.append("train.max_tokens_per_microbatch must be >= 1 (or null)")
+    if cfg.parallel.cp > 1 and not cfg.train.packing:
+        problems.append("parallel.cp > 1 needs train.packing=true (THD)")
+    if cfg.parallel.cp > 1 and (alg.policy_loss in SEQUENCE_LEVEL or (alg.off_policy or "") in SEQUENCE_LEVEL):
+        problems.append("sequence-level losses / corrections (gspo, seq_tis, mis) are not supported with parallel.cp > 1")
+    if problems:
+        raise ValueError("invalid RL train-step config:\n  - " + "\n  - ".join(problems))
 
 
 # ---------------------------------------------------------------------------- models
@@ -492,13 +525,10 @@ def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[Reference
     """One RL update on this DP rank's samples (collective over all ranks). See module docstring."""
     t0 = time.perf_counter()
     alg = cfg.algorithm
+    validate_algorithm(cfg)
     batch.validate()
     bridge = policy.bridge
     par = _Par.current(bridge.config)
-    if par.cp > 1 and (alg.policy_loss in SEQUENCE_LEVEL or (alg.off_policy or "") in SEQUENCE_LEVEL):
-        raise NotImplementedError("sequence-level losses / corrections under context parallelism")
-    if alg.old_logprobs not in ("rollout", "recompute"):
-        raise ValueError(f"algorithm.old_logprobs={alg.old_logprobs!r}: use 'rollout' or 'recompute'")
     replay = bool(alg.routing_replay)
     if replay and policy.replay is None:
         raise ValueError("algorithm.routing_replay=true but the policy was built without it")
@@ -567,6 +597,3 @@ def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[Reference
     })
     return metrics
 
-
-def nonfinite(x: float) -> bool:
-    return not math.isfinite(x)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from skyrl_mega.config import load_config, validate_config
 from skyrl_mega.megatron import parallel
 from skyrl_mega.megatron import train_step as ts
-from skyrl_mega.megatron.forward import device, gather_vocab_parallel
+from skyrl_mega.megatron.forward import gather_vocab_parallel
 from skyrl_mega.megatron.logprobs import reference_logprobs, vocab_parallel_logprobs
 from skyrl_mega.megatron.packing import shard_for_dp
 from skyrl_mega.megatron.r3_replay import route_positions
