@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from skyrl_mega.config import load_config, validate_config
 from skyrl_mega.megatron import parallel
 from skyrl_mega.megatron import train_step as ts
-from skyrl_mega.megatron.forward import gather_vocab_parallel
+from skyrl_mega.megatron.forward import device, gather_vocab_parallel
 from skyrl_mega.megatron.logprobs import reference_logprobs, vocab_parallel_logprobs
 from skyrl_mega.megatron.packing import shard_for_dp
 from skyrl_mega.megatron.r3_replay import route_positions
@@ -109,7 +109,7 @@ def main():
 
     with torch.no_grad():
         diffs = ts._run(policy.models, mbs, ref_check, True, None, collect=True)
-    d = torch.stack(diffs).max(0).values if diffs else torch.zeros(2, dtype=torch.float64)
+    d = torch.stack(diffs).max(0).values if diffs else torch.zeros(2, dtype=torch.float64, device=device())
     dist.all_reduce(d, op=dist.ReduceOp.MAX)
     checks["vocab_parallel_vs_float64_logprob"], checks["vocab_parallel_vs_float64_entropy"] = d.tolist()
 
@@ -171,11 +171,12 @@ def main():
                         counts[1] += int(not torch.equal(used[row].cpu(), want))
                     else:
                         counts[2] += int(sorted(used[row].tolist()) != sorted(want.tolist()))
+    counts = counts.to(device())
     dist.all_reduce(counts)
     checks["r3_checked"], checks["r3_replay_mismatch"], checks["r3_live_mismatch"], checks["r3_pad_rows"] = counts.tolist()
     # the router still learns under replay
     ts.forward_backward(policy, batch, cfg, plan, fixed_ref)
-    gn = torch.tensor([min((r.weight.main_grad.norm().item() for r in routers), default=1.0)])
+    gn = torch.tensor([min((r.weight.main_grad.norm().item() for r in routers), default=1.0)], device=device())
     dist.all_reduce(gn, op=dist.ReduceOp.MIN)
     checks["r3_min_router_grad_norm"] = gn.item()
     with torch.no_grad():
