@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping, Sequence
 
 from .errors import ServerStartError
@@ -40,6 +41,23 @@ _PR_SET_PDEATHSIG = 1
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process.
+# Children are therefore forked from the main thread or from one spawner thread that lives
+# as long as the process, never from a short-lived worker thread (asyncio.to_thread, ...).
+_SPAWNER: ThreadPoolExecutor | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _popen(argv, **kwargs) -> subprocess.Popen:
+    global _SPAWNER
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(argv, **kwargs)
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyrl-spawner")
+    return _SPAWNER.submit(subprocess.Popen, argv, **kwargs).result()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -104,7 +122,7 @@ class ChildProcess:
                 f"\n===== skyrl-mega: start #{self.starts + 1} of {self.name} at "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.argv)}\n".encode()
             )
-            self.proc = subprocess.Popen(
+            self.proc = _popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

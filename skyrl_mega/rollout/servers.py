@@ -50,7 +50,7 @@ class ServerConfig:
     return_routed_experts: bool = True  # --enable-return-routed-experts
     scale_out: bool = True  # --enable-scale-out: token-id endpoint /inference/v1/generate
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE=1: /pause /resume /collective_rpc /sleep ...
-    enforce_eager: bool = True  # required on CPU for route capture (see module doc)
+    enforce_eager: bool | None = None  # None: True on CPU (route capture needs it, see module doc)
     worker_extension_cls: str | None = PLUGIN_WORKER_EXTENSION
     max_num_seqs: int | None = None
     max_logprobs: int | None = None
@@ -86,7 +86,7 @@ class ServerConfig:
             a.append("--enable-return-routed-experts")
         if self.scale_out:
             a.append("--enable-scale-out")
-        if self.enforce_eager:
+        if self.enforce_eager or (self.enforce_eager is None and self.device == "cpu"):
             a.append("--enforce-eager")
         if self.worker_extension_cls:
             a += ["--worker-extension-cls", self.worker_extension_cls]

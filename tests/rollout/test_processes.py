@@ -181,3 +181,19 @@ def test_router_fronts_fake_engines(tmp_path):
             assert gens[0].samples[1].token_ids == [2, 3, 4]
             rpid = router.child.pid
         assert not pid_alive(rpid)
+
+
+def test_child_started_from_a_short_lived_thread_survives_it(tmp_path):
+    """PR_SET_PDEATHSIG follows the forking thread: spawns go through a long-lived thread."""
+    import threading
+
+    child = ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path / "s.log"))
+    t = threading.Thread(target=child.start)
+    t.start()
+    t.join()
+    time.sleep(0.5)
+    try:
+        assert child.alive()
+    finally:
+        child.stop(grace_s=2)
+    assert not child.alive()

@@ -255,6 +255,22 @@ def test_pause_wait_and_abort(stack):
     assert len(after.samples[0].token_ids) == 4
 
 
+def test_control_calls_reach_every_server(stack):
+    """sleep/wake (no-ops on CPU), prefix-cache reset, weight version, collective_rpc: direct to each server."""
+    ctl, url = stack["ctl"], stack["router"].url
+    assert ctl.health() == {u: True for u in ctl.urls}
+    assert ctl.reset_prefix_cache() == {u: True for u in ctl.urls}
+    ctl.sleep(1)
+    ctl.wake_up()
+    ctl.set_weight_version("0")
+    assert ctl.weight_versions() == {u: "0" for u in ctl.urls}
+    assert ctl.collective_rpc("skyrl_weight_version") == {u: [{"version": None, "rank": 0}] for u in ctl.urls}
+    with pytest.raises(ValueError):
+        ctl.pause("freeze")
+    gen = run(rollout(url, [[5, 6, 7]], SamplingParams(max_tokens=4, seed=0)))
+    assert len(gen[0].samples[0].token_ids) == 4
+
+
 # -- 4. weight updates through /dev/shm -------------------------------------------------------------
 def _send_update(transport, tensors, version):
     experts = [(k, v) for k, v in tensors.items() if ".experts." in k]
