@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--recipe", default=DEFAULT_RECIPE if name == "demo" else None)
         p.add_argument("--nproc", type=int, default=None, help="ranks (default: parallel.world_size)")
         p.add_argument("--timeout", type=float, default=3600)
-        p.add_argument("--entry", default="skyrl_mega.lm_step_demo", help=argparse.SUPPRESS)
+        p.add_argument("--entry", default="skyrl_mega.trainer", help=argparse.SUPPRESS)
         p.add_argument("overrides", nargs="*", help="key=value config overrides")
         p.set_defaults(fn=fn)
 

@@ -24,6 +24,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signals a process, its process group and every descendant (torchrun starts its ranks in
+    sessions of their own, so killing torchrun's group alone leaves the ranks running)."""
+    import psutil
+
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for target in (pid, *[p.pid for p in procs]):
+        try:
+            os.kill(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def torchrun_cmd(target: str, nproc: int, args: Sequence[str] = ()) -> list[str]:
     entry = ["-m", target] if not target.endswith(".py") else [target]
     return [
@@ -47,12 +67,16 @@ def run_torchrun(target: str, nproc: int, args: Sequence[str] = (), timeout: flo
     try:
         stdout, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
         raise LaunchError(f"torchrun {target} timed out after {timeout}s") from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # torchrun forwards SIGTERM to the ranks, which stop their engines
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
         raise
     finally:
         if log_file:

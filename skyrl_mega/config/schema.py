@@ -7,7 +7,7 @@ Unknown keys are rejected by OmegaConf's structured merge; semantic checks live 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import List, Any, Dict, Optional
 
 
 @dataclass
@@ -59,6 +59,8 @@ class TrainConfig:
 class AlgorithmConfig:
     """RL loss of the Megatron train step (skyrl_mega.megatron.train_step)."""
 
+    advantage: str = "grpo"  # grpo | grpo_no_std | rloo | reinforce_pp_baseline | maxrl
+    advantage_kwargs: Dict[str, Any] = field(default_factory=dict)
     policy_loss: str = "ppo"  # ppo | gspo | cispo (algorithms.POLICY_LOSSES)
     policy_loss_kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. eps_low, eps_high
     reduction: str = "token_mean"  # token_mean | sequence_mean | seq_mean_token_sum_norm
@@ -76,6 +78,60 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """vLLM engines (skyrl_mega/engines.py) and sampling."""
+
+    num_servers: int = 1
+    external_urls: List[str] = field(default_factory=list)  # disaggregated: servers started elsewhere
+    use_router: bool = True  # vllm-router in front for the data plane
+    prompts_per_step: int = 4
+    n_samples_per_prompt: int = 8
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0  # per-request seeds derive from (seed, step, prompt, sample): reproducible
+    max_model_len: int = 512
+    kv_cache_gib: int = 1
+    dtype: str = "auto"  # engine dtype; auto = the checkpoint's
+    startup_timeout_s: float = 300.0
+    request_deadline_s: float = 300.0
+    max_step_retries: int = 3  # a step whose rollout fails (e.g. a server died) is retried
+    max_concurrency: int = 64
+    sleep_level: int = 1  # colocated GPU placement: engines sleep during training (1 or 2)
+    log_dir: Optional[str] = None  # default: <output_dir>/engine_logs
+
+
+@dataclass
+class DataConfig:
+    train_path: Optional[str] = None  # jsonl / parquet; generated when synthetic is set
+    synthetic: Optional[str] = None  # "digits": write the demo task to train_path if missing
+    synthetic_size: int = 256
+    chat_template: bool = True
+    max_prompt_len: int = 256
+    reward: str = "digits"  # default reward function (skyrl_mega/data/rewards.py)
+    reward_by_source: Dict[str, str] = field(default_factory=dict)  # data_source -> reward name
+    shuffle: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # default: <output_dir>/checkpoints
+    every_n_steps: int = 0  # 0: only at the end
+    keep_last: int = 2
+    resume: str = "auto"  # auto (latest complete) | none | <path to a step_N directory>
+    hf_export_every_n_steps: int = 0
+    hf_export_at_end: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True  # when tensorboard is installed
+    wandb_project: Optional[str] = None
+    plot: bool = True  # PNG of reward, response length, KL, logprob diff at the end
+    progress_bar: bool = True
+
+
+@dataclass
 class SkyrlConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -83,3 +139,8 @@ class SkyrlConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     output_dir: str = "runs/default"
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    placement: str = "colocated"  # colocated | disaggregated (engines vs trainer ranks)

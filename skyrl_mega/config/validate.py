@@ -14,7 +14,24 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.spec": ("auto", "te", "local"),
     "optim.lr_decay_style": ("constant", "cosine"),
+    "placement": ("colocated", "disaggregated"),
 }
+
+
+def _registry_problems(cfg) -> list[str]:
+    """Names that must exist in the algorithm / reward registries."""
+    from skyrl_mega import algorithms
+    from skyrl_mega.data.rewards import REWARDS
+
+    a = cfg.algorithm
+    checks = [("algorithm.advantage", a.advantage, algorithms.ADVANTAGE_ESTIMATORS),
+              ("algorithm.policy_loss", a.policy_loss, algorithms.POLICY_LOSSES),
+              ("data.reward", cfg.data.reward, REWARDS)]
+    if a.off_policy:
+        checks.append(("algorithm.off_policy", a.off_policy, algorithms.OFF_POLICY_CORRECTIONS))
+    checks += [(f"data.reward_by_source.{k}", v, REWARDS) for k, v in cfg.data.reward_by_source.items()]
+    return [f"{key}={val!r} is not registered; choose one of {sorted(reg)}" for key, val, reg in checks
+            if val not in reg]
 
 
 class ConfigError(ValueError):
@@ -96,6 +113,15 @@ def validate_config(cfg, world_size: Optional[int] = None, hf: Optional[dict] = 
         if kv and kv % p.tp:
             problems.append(f"{kv} key/value heads are not divisible by parallel.tp={p.tp}")
 
+    problems += _registry_problems(cfg)
+    r = cfg.rollout
+    if r.n_samples_per_prompt < 1 or r.prompts_per_step < 1 or r.max_tokens < 1:
+        problems.append("rollout.prompts_per_step, n_samples_per_prompt and max_tokens must be >= 1")
+    if cfg.algorithm.advantage in ("grpo", "rloo", "grpo_no_std", "maxrl") and r.n_samples_per_prompt < 2:
+        problems.append(f"algorithm.advantage={cfg.algorithm.advantage} compares samples of one prompt: "
+                        "set rollout.n_samples_per_prompt >= 2")
+    if r.sleep_level not in (1, 2):
+        problems.append(f"rollout.sleep_level must be 1 or 2 (got {r.sleep_level})")
     t = cfg.train
     if t.global_batch_size < 1 or t.micro_batch_size < 1:
         problems.append("train.global_batch_size and train.micro_batch_size must be >= 1")

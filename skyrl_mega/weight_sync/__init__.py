@@ -1,1 +1,1 @@
-
+"""Weight sync from Megatron to the rollout engines (bucketing + transports)."""

@@ -166,6 +166,20 @@ def test_unreachable_server_is_a_clear_error():
     assert time.monotonic() - t0 < 10
 
 
+def test_seeded_long_prompts_in_one_step_do_not_kill_the_engine(stack):
+    """More prompt tokens than one step holds, every request seeded: with chunked prefill a
+    split prefill would rewind a CPU generator (set_offset) and kill the engine; the manager
+    starts CPU servers without chunked prefill. Seeded samples do not depend on batching."""
+    url = stack["router"].url
+    long_prompts = prompts(6, seed=61, lo=650, hi=700)  # ~4000 prompt tokens > 2048 per step
+    sampling = SamplingParams(max_tokens=8, n=2, seed=17)
+    first = run(rollout(url, long_prompts, sampling, **MOE))
+    alone = run(rollout(url, long_prompts[3:4], sampling, **MOE))
+    assert all(len(s.token_ids) == 8 for g in first for s in g.samples)
+    assert [s.token_ids for s in alone[0].samples] == [s.token_ids for s in first[3].samples]
+    assert stack["sm"].servers[0].restarts == 0
+
+
 # -- 3. pause modes ------------------------------------------------------------------------------
 # Long enough (seconds) that a pause lands mid-generation even when this process is starved
 # of CPU by the engine on a 2-core box.

@@ -1,0 +1,50 @@
+"""Placement -> engine behaviour: which weight transport, and whether engines sleep.
+
+In: `placement` (colocated | disaggregated), the rollout config, and the machine (CUDA or not).
+Out: a PlacementPlan. Nothing else in the loop branches on placement.
+
+| placement     | device | transport              | engines while training  |
+|---------------|--------|------------------------|-------------------------|
+| colocated     | GPU    | cuda_ipc               | sleep (level 1 or 2)    |
+| disaggregated | GPU    | nccl                   | keep running            |
+| either        | CPU    | shm (safetensors)      | keep running (no-op)    |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TRANSPORTS = {
+    "shm": "skyrl_mega.rollout.cpu_transport:SharedMemoryTransport",
+}
+
+
+@dataclass
+class PlacementPlan:
+    placement: str
+    device: str  # cpu | gpu
+    transport: str  # shm | cuda_ipc | nccl
+    sleep_level: int | None
+
+    def make_transport(self, control):
+        import importlib
+
+        if self.transport not in TRANSPORTS:
+            raise NotImplementedError(
+                f"weight transport {self.transport!r} (placement={self.placement}, device={self.device}) "
+                f"is not available in this build; available: {sorted(TRANSPORTS)}")
+        module, cls = TRANSPORTS[self.transport].split(":")
+        return getattr(importlib.import_module(module), cls)(control)
+
+
+def plan_placement(placement: str, rollout_cfg, cuda: bool | None = None) -> PlacementPlan:
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if placement not in ("colocated", "disaggregated"):
+        raise ValueError(f"placement must be colocated or disaggregated, got {placement!r}")
+    if not cuda:
+        return PlacementPlan(placement, "cpu", "shm", None)
+    if placement == "colocated":
+        return PlacementPlan(placement, "gpu", "cuda_ipc", rollout_cfg.sleep_level)
+    return PlacementPlan(placement, "gpu", "nccl", None)
