@@ -7,9 +7,10 @@ Configurations (each run `--repeats` times round-robin after a warm-up; median t
     direct      client -> server 0
     router x1   client -> vllm-router -> server 0          (the router's own cost)
     router xN   client -> vllm-router -> servers 0..N-1    (scale-out on this box)
-each once with `--enable-return-routed-experts` (client decodes the routes) and once without.
-The N servers are pinned to disjoint core slices (ServerManager's default), so "direct"
-runs on server 0's slice only. Generated tokens/s counts sampled tokens (ignore_eos, so
+each with `--enable-return-routed-experts` (client decodes the routes) and without: two
+server sets, both up for the whole run, measured round-robin. Each set's N servers are
+pinned to disjoint core slices (ServerManager's default), so "direct" runs on server 0's
+slice only. Generated tokens/s counts sampled tokens (ignore_eos, so
 every sample has exactly max_tokens).
 """
 
@@ -50,13 +51,14 @@ async def one_run(url, prompts, sampling, capture, concurrency):
     return tokens / dt
 
 
-def measure(targets, prompts, sampling, capture, repeats, concurrency):
-    for url in targets.values():  # warm-up
+def measure(targets, prompts, sampling, repeats, concurrency):
+    """targets: {(path, capture): url}; round-robin over targets, `repeats` times, after a warm-up."""
+    for (_, capture), url in targets.items():
         asyncio.run(one_run(url, prompts[: max(4, len(prompts) // 8)], sampling, capture, concurrency))
     runs = {k: [] for k in targets}
     for _ in range(repeats):
-        for name, url in targets.items():
-            runs[name].append(asyncio.run(one_run(url, prompts, sampling, capture, concurrency)))
+        for key, url in targets.items():
+            runs[key].append(asyncio.run(one_run(url, prompts, sampling, key[1], concurrency)))
     return {k: statistics.median(v) for k, v in runs.items()}, runs
 
 
@@ -82,20 +84,32 @@ def main():
     prompts = make_prompts(args.prompts)
     sampling = SamplingParams(max_tokens=args.max_tokens, n=args.n, temperature=1.0, seed=0, ignore_eos=True)
 
-    results = {}
-    for capture in (True, False):
-        cfg = ServerConfig(model=model, dtype="float32", max_model_len=512, return_routed_experts=capture)
-        tag = "capture" if capture else "no_capture"
-        t0 = time.time()
-        with ServerManager(cfg, num_servers=args.servers, log_dir=os.path.join(log_dir, tag), startup_timeout_s=600) as sm:
-            print(f"[{tag}] {args.servers} servers up in {time.time() - t0:.0f}s", flush=True)
-            with RouterProcess(sm.urls[:1], log_dir=os.path.join(log_dir, tag, "r1")) as r1, \
-                    RouterProcess(sm.urls, log_dir=os.path.join(log_dir, tag, "rn")) as rn:
-                targets = {"direct": sm.urls[0], "router x1": r1.url, f"router x{args.servers}": rn.url}
-                med, runs = measure(targets, prompts, sampling, capture, args.repeats, args.concurrency)
-        for k, v in med.items():
-            results[(k, capture)] = v
-            print(f"[{tag}] {k:>10}: {v:8.1f} tok/s  runs {[round(x, 1) for x in runs[k]]}", flush=True)
+    # Both server sets stay up together (idle engines block on their input queue) and the
+    # six targets are measured round-robin, so box-load drift hits every configuration alike.
+    t0 = time.time()
+    managers, routers, targets = [], [], {}
+    try:
+        for capture in (True, False):
+            tag = "capture" if capture else "no_capture"
+            cfg = ServerConfig(model=model, dtype="float32", max_model_len=512, return_routed_experts=capture)
+            sm = ServerManager(cfg, num_servers=args.servers, log_dir=os.path.join(log_dir, tag), startup_timeout_s=900)
+            managers.append(sm.start())
+            r1 = RouterProcess(sm.urls[:1], log_dir=os.path.join(log_dir, tag, "r1")).start()
+            rn = RouterProcess(sm.urls, log_dir=os.path.join(log_dir, tag, "rn")).start()
+            routers += [r1, rn]
+            targets[("direct", capture)] = sm.urls[0]
+            targets[("router x1", capture)] = r1.url
+            targets[(f"router x{args.servers}", capture)] = rn.url
+        print(f"{2 * args.servers} servers + 4 routers up in {time.time() - t0:.0f}s", flush=True)
+        med, runs = measure(targets, prompts, sampling, args.repeats, args.concurrency)
+    finally:
+        for r in routers:
+            r.stop()
+        for sm in managers:
+            sm.stop()
+    results = med
+    for (k, cap), v in med.items():
+        print(f"[{'capture' if cap else 'no_capture'}] {k:>10}: {v:8.1f} tok/s  runs {[round(x, 1) for x in runs[(k, cap)]]}")
 
     n = args.servers
     print()
