@@ -109,8 +109,49 @@ class ModelBridge:
         """Every rank must iterate (collectives inside); all ranks see every tensor."""
         return self.impl.export_weights(models)
 
-    def save_hf(self, models: list[torch.nn.Module], path: str) -> None:
-        self.impl.save_weights(models, path)
+    def save_hf(self, models: list[torch.nn.Module], path: str, shard_bytes: int = 2 << 30) -> None:
+        """Collective. Rank 0 writes HF safetensors shards + index + config (atomically: a
+        temporary directory renamed at the end)."""
+        import json
+        import os
+        import shutil
+
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        tmp = path.rstrip("/") + ".partial"
+        shard, size, files, index = {}, 0, [], {}
+
+        def flush():
+            nonlocal shard, size
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, os.path.join(tmp, name), metadata={"format": "pt"})
+            files.append(name)
+            index.update({k: name for k in shard})
+            shard, size = {}, 0
+
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        for name, tensor in self.export_hf(models):
+            if not rank0:
+                continue
+            shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+            size += shard[name].numel() * shard[name].element_size()
+            if size >= shard_bytes:
+                flush()
+        if rank0:
+            if shard:
+                flush()
+            total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=1)
+            self.hf_config.save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.rename(tmp, path)
+        if dist.is_initialized():
+            dist.barrier()
 
 
 def bridge_for(hf_path: str, dtype: torch.dtype = torch.float32, spec: str = "auto", **overrides) -> ModelBridge:

@@ -1,4 +1,4 @@
-"""`skyrl-mega` command line: make-tiny, train, demo, validate.
+"""`skyrl-mega` command line: make-tiny, train, demo, validate, convert.
 
 In: a subcommand, a recipe YAML and `key=value` overrides. Out: the config is validated in
 this process (before any rank or process group starts), then torchrun launches the ranks.
@@ -53,6 +53,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from skyrl_mega.config import load_config, validate_config
+    from skyrl_mega.launcher import run_torchrun
+
+    hf_dir = args.src if args.direction == "hf-to-mcore" else args.hf
+    if not hf_dir:
+        raise SystemExit("skyrl-mega convert mcore-to-hf needs --hf <HF dir of the same architecture>")
+    validate_config(load_config(None, [f"model.path={hf_dir}", *args.overrides]), args.nproc)
+    argv = [args.direction, args.src, args.dst, *args.overrides] + (["--hf", args.hf] if args.hf else [])
+    run_torchrun("skyrl_mega.checkpoint.convert", args.nproc, argv, timeout=args.timeout, stream=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from skyrl_mega.config import ConfigError
 
@@ -65,6 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_make_tiny)
 
+    p = sub.add_parser("convert", help="HF <-> Megatron dist-ckpt at any parallel layout")
+    p.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--hf", help="mcore-to-hf: the HF dir of the same architecture (config, tokenizer)")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("overrides", nargs="*", help="e.g. parallel.ep=2 model.dtype=bfloat16")
+    p.set_defaults(fn=cmd_convert)
+
     for name, fn, helptext in (("train", cmd_train, "launch training ranks with torchrun"),
                                ("demo", cmd_train, "the tiny CPU demo (tiny_cpu recipe)"),
                                ("validate", cmd_validate, "check a recipe + overrides and exit")):
@@ -76,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="key=value config overrides")
         p.set_defaults(fn=fn)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    bad = [a for a in extra if "=" not in a or a.startswith("-")]
+    if bad or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
+    if extra:  # key=value overrides given after an option
+        args.overrides = list(args.overrides) + extra
     try:
         return args.fn(args)
     except ConfigError as e:

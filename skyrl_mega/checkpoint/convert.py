@@ -1,0 +1,87 @@
+"""`skyrl-mega convert`: HF <-> Megatron dist-ckpt, at any parallel layout (torchrun entry).
+
+    hf-to-mcore  IN: an HF checkpoint dir        OUT: a dist-ckpt dir (model weights only)
+    mcore-to-hf  IN: a dist-ckpt dir (a trainer  OUT: an HF checkpoint dir (safetensors +
+                 checkpoint step_N/ or one made       config + tokenizer files copied from
+                 by hf-to-mcore) + the HF dir of      the reference HF dir)
+                 the same architecture
+
+dist-ckpt reshards on load, so the layout used here need not match the one that saved it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+import torch.distributed as dist
+
+from ..config import load_config
+from ..megatron import parallel
+from ..megatron.model import build_bridge
+from .dist_ckpt import _unwrap
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def _model_state(models):
+    return {f"model{i}" if len(models) > 1 else "model": _unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
+
+
+def hf_to_mcore(cfg, hf_dir: str, out_dir: str) -> None:  # hf_dir is cfg.model.path
+    from megatron.core import dist_checkpointing
+
+    bridge = build_bridge(cfg)
+    models = bridge.build(load_weights=True)
+    if dist.get_rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_model_state(models), out_dir)
+
+
+def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    bridge = build_bridge(cfg)
+    models = bridge.build(load_weights=False)
+    loaded = dist_checkpointing.load(_model_state(models), ckpt_dir)
+    for i, m in enumerate(models):
+        _unwrap(m).load_state_dict(loaded[f"model{i}" if len(models) > 1 else "model"], strict=False)
+    bridge.save_hf(models, out_dir)
+    if dist.get_rank() == 0:
+        for f in TOKENIZER_FILES:
+            src = os.path.join(cfg.model.path, f)
+            if os.path.exists(src):
+                shutil.copy(src, os.path.join(out_dir, f))
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="skyrl-mega convert")
+    p.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--hf", help="HF dir of the architecture (mcore-to-hf; default: src for hf-to-mcore)")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    hf_dir = a.src if a.direction == "hf-to-mcore" else a.hf
+    if not hf_dir:
+        p.error("mcore-to-hf needs --hf <HF dir of the same architecture> (config + tokenizer)")
+    cfg = load_config(None, [f"model.path={hf_dir}", *a.overrides])
+    parallel.init_distributed()
+    parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
+    try:
+        if a.direction == "hf-to-mcore":
+            hf_to_mcore(cfg, a.src, a.dst)
+        else:
+            mcore_to_hf(cfg, a.src, a.dst)
+        if dist.get_rank() == 0:
+            print(f"[skyrl-mega] wrote {a.dst}", flush=True)
+    finally:
+        parallel.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
