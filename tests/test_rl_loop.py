@@ -111,3 +111,39 @@ def test_vllm_server_killed_mid_run_is_restarted_and_run_completes(short, tiny_q
     for a, b in zip(got, reference):
         for key in COMPARE:
             assert a[key] == b[key], (a["step"], key)
+
+
+def test_ctrl_c_stops_every_process_and_keeps_the_last_checkpoint(tiny_qwen3_moe, tmp_path):
+    import shutil
+
+    import psutil
+
+    from skyrl_mega.checkpoint import find_latest, verify_checkpoint
+
+    model = str(tmp_path / "model")  # a path no other process uses: finds this run's engines
+    shutil.copytree(tiny_qwen3_moe, model)
+    out = tmp_path / "run"
+    cli = subprocess.Popen(
+        [os.sys.executable, "-m", "skyrl_mega.cli", "train", "--recipe", RECIPE,
+         *_args(model, out, **{"train.steps": 50, "checkpoint.every_n_steps": 1})[1:]],
+        stdout=open(tmp_path / "cli.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    marker = out / "checkpoints" / "step_000002" / "skyrl_complete.json"
+    _wait_for(marker.exists, cli, 600, "the step-2 checkpoint")
+    os.kill(cli.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
+    cli.wait(timeout=120)
+
+    def ours():
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if model in cmd or str(out) in cmd:
+                found.append(cmd[:120])
+        return found
+
+    deadline = time.time() + 60
+    while ours() and time.time() < deadline:
+        time.sleep(1)
+    assert not ours(), ours()
+    latest = find_latest(str(out / "checkpoints"))
+    assert latest is not None and verify_checkpoint(latest) is None
+    assert int(latest.rsplit("_", 1)[-1]) >= 2
