@@ -10,14 +10,14 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from skyrl_mega.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from skyrl_mega.config import load_config
-from skyrl_mega.lm_step_demo import pattern_batch
-from skyrl_mega.megatron import forward, parallel
+from skyrl_mega.megatron import parallel
 from skyrl_mega.megatron.model import build_model
 from skyrl_mega.megatron.optimizer import build_optimizer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.workers.lm_step import lm_train_step, pattern_batch  # noqa: E402
 
 STEPS, SAVE_AT = 6, (2, 4)
 
@@ -27,8 +27,6 @@ def main():
     cfg = load_config(None, overrides)
     rank, _ = parallel.init_distributed()
     parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
-    from megatron.core import parallel_state as mpu
-
     _, models = build_model(cfg)
     optimizer, scheduler = build_optimizer(models, cfg.optim, total_steps=STEPS)
     root = os.path.join(out_dir, "ckpt")
@@ -36,26 +34,12 @@ def main():
     if mode.startswith("resume"):
         state = load_checkpoint(find_latest(root), models, optimizer, scheduler)
         start = state["step"]
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     losses = {}
     for step in range(start, STEPS):
         batch = pattern_batch(4, 16, step) + (torch.rand(4, 16) < 0.3).long()  # consumes torch RNG
-        labels = torch.roll(batch, -1, 1)
         mask = torch.ones(batch.shape)
         mask[:, -1] = 0
-        pos = torch.arange(16).expand_as(batch)
-        mbs = [{"input_ids": batch[i:i + 1], "position_ids": pos[i:i + 1], "labels": labels[i:i + 1],
-                "loss_mask": mask[i:i + 1]} for i in range(dp_rank, 4, dp)]
-        for m in models:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = forward.run_microbatches(models, mbs, forward.lm_loss, False,
-                                       model_kwargs_fn=lambda mb: {"labels": mb["labels"]})
-        optimizer.step()
-        scheduler.step(1)
-        total = torch.stack(out).sum(0) if out else torch.zeros(2)
-        dist.all_reduce(total, group=mpu.get_data_parallel_group())
-        losses[step] = (total[0] / total[1]).item()
+        losses[step], _ = lm_train_step(models, optimizer, scheduler, batch, mask)
         if mode == "full" and step + 1 in SAVE_AT:
             save_checkpoint(root, step + 1, models, optimizer, scheduler, {"note": "test"}, keep_last=2)
     if rank == 0:

@@ -11,13 +11,14 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from skyrl_mega.config import load_config, validate_config
 from skyrl_mega.megatron import forward, parallel
 from skyrl_mega.megatron.model import build_model
 from skyrl_mega.megatron.optimizer import build_optimizer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.workers.lm_step import lm_train_step  # noqa: E402
 
 
 def fixed_batch(n_seq=4, seq=16, vocab=500, seed=0):
@@ -58,35 +59,15 @@ def main():
 
     # 3) five LM training steps on a fixed global batch, split over DP ranks
     optimizer, scheduler = build_optimizer(models, cfg.optim, total_steps=5)
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     losses = []
     for step in range(5):
         batch = fixed_batch(n_seq=8, seed=100 + step)
-        labels = torch.roll(batch, -1, dims=1)
         mask = torch.ones_like(batch, dtype=torch.float32)
         mask[:, -1] = 0
         mask[step % 8, 5:] = 0  # uneven token counts across micro-batches
-        mine = range(dp_rank, batch.shape[0], dp)
-        mbs = [
-            {"input_ids": batch[i : i + 1], "position_ids": pos[:1], "labels": labels[i : i + 1],
-             "loss_mask": mask[i : i + 1]}
-            for i in mine
-        ]
-        for m in models:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = forward.run_microbatches(
-            models, mbs, forward.lm_loss, forward_only=False,
-            model_kwargs_fn=lambda mb: {"labels": mb["labels"]},
-        )
-        ok, grad_norm, _ = optimizer.step()
-        scheduler.step(1)
-        total = torch.stack(out).sum(0) if out else torch.zeros(2, device=forward.device())
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            dist.all_reduce(total, group=mpu.get_pipeline_model_parallel_group())
-        dist.all_reduce(total, group=mpu.get_data_parallel_group())
-        losses.append({"loss": (total[0] / total[1]).item(), "grad_norm": float(grad_norm)})
-        print(f"step {step} loss {losses[-1]['loss']:.6f} grad_norm {float(grad_norm):.4f}", flush=True)
+        loss, grad_norm = lm_train_step(models, optimizer, scheduler, batch, mask)
+        losses.append({"loss": loss, "grad_norm": grad_norm})
+        print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.4f}", flush=True)
     final = {name: t.detach().cpu().clone().contiguous() for name, t in bridge.export_hf(models)}
     if rank == 0:
         save_file(final, os.path.join(out_dir, "final.safetensors"))
