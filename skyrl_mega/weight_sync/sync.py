@@ -1,49 +1,100 @@
 """Trainer -> engines weight sync: export HF-named tensors from Megatron, bucket, transport.
 
 In: the policy's bridge + model chunks (every rank calls: the export gathers TP/EP/PP shards
-with collectives), a WeightTransport on rank 0 (None elsewhere) and a version number.
-Out: every engine serving the trainer's weights under that version. Buckets are filled up to
-`bucket_bytes`; a bucket is sent as soon as it is full, so peak extra memory is one bucket.
+with one coalesced collective per bucket, see export.py), a WeightTransport on rank 0 (None
+elsewhere) and a version number. Out: every engine serving the trainer's weights under that
+version, or WeightSyncError on every trainer rank (engines paused on their old version).
+
+Transports:
+- BucketTransport (nccl.NcclBroadcastTransport, cuda_ipc.CudaIpcTransport): packed buckets
+  straight from the exporter's buffers; the plan (names, dtypes, shapes, offsets) goes to the
+  engines once per sync.
+- any other WeightTransport (the CPU SharedMemoryTransport): gets each bucket as (name, tensor)
+  views of the packed buffer through send().
+The bucket plan is built once and re-verified on every sync (export.BucketExporter.plan).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_BUCKET_BYTES = 1 << 30
+from ..rollout.errors import WeightSyncError
+from .base import BucketTransport
+from .export import bucket_tensors, get_exporter
+from .plan import DEFAULT_BUCKET_BYTES
+
+logger = logging.getLogger(__name__)
 
 
 def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Collective over all trainer ranks. Returns timing/size metrics (rank 0's are real)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     t0 = time.perf_counter()
+    ex = get_exporter(bridge, models, bucket_bytes)
+    plan = ex.plan()
+    t_plan = time.perf_counter() - t0
     sending = rank == 0 and transport is not None
+    bucketed = sending and isinstance(transport, BucketTransport)
+    layout = transport.layout if bucketed else "full"
+    failure: BaseException | None = None
     if sending:
-        transport.start(version)
-    bucket, size, total, n = {}, 0, 0, 0
-    try:
-        for name, tensor in bridge.export_hf(models):
-            if not sending:
-                continue
-            t = tensor.detach().to("cpu", copy=True).contiguous()
-            bucket[name] = t
-            size += t.numel() * t.element_size()
+        try:
+            transport.start(version, plan) if bucketed else transport.start(version)
+        except BaseException as e:
+            failure = e
+    acquire = transport.acquire if bucketed and failure is None else None
+    n = 0
+    for b, buf, direct in ex.iter_buckets(acquire=acquire, layout=layout, plan=plan):
+        if not sending or failure is not None:
+            continue  # keep taking part in the export collectives
+        try:
+            if bucketed:
+                transport.send_bucket(b, buf, direct)
+            else:
+                transport.send(bucket_tensors(b, buf, direct))
             n += 1
-            if size >= bucket_bytes:
-                transport.send(list(bucket.items()))
-                total += size
-                bucket, size = {}, 0
-        if sending:
-            if bucket:
-                transport.send(list(bucket.items()))
-                total += size
-            transport.finish()
-    except BaseException:
-        if sending:
+        except BaseException as e:
+            failure = e
+    report = None
+    if sending and failure is None:
+        try:
+            report = transport.finish()
+        except BaseException as e:
+            failure = e
+    if sending and failure is not None:
+        try:
             transport.abort()
-        raise
-    return {"weight_sync/seconds": time.perf_counter() - t0, "weight_sync/bytes": float(total),
-            "weight_sync/tensors": float(n)}
+        except Exception:
+            logger.exception("abort after a failed weight sync")
+    # every trainer rank learns whether the sync failed
+    failed = torch.tensor([int(failure is not None)], device=_device(models))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failure is not None:
+        if isinstance(failure, WeightSyncError):
+            raise failure
+        raise WeightSyncError(f"weight sync {version} failed: {failure!r}") from failure
+    if int(failed.item()):
+        raise WeightSyncError(f"weight sync {version} failed on trainer rank 0")
+    seconds = time.perf_counter() - t0
+    out = {"weight_sync/seconds": seconds, "weight_sync/plan_seconds": t_plan,
+           "weight_sync/bytes": float(plan.total_bytes), "weight_sync/tensors": float(plan.num_tensors),
+           "weight_sync/buckets": float(len(plan.buckets)), "weight_sync/plan_rebuilds": float(ex.rebuilds)}
+    if sending:
+        out["weight_sync/GBps"] = plan.total_bytes / seconds / 1e9
+        for k, v in getattr(transport, "timings", {}).items():
+            out[f"weight_sync/{k}"] = v
+    if report is not None:
+        transport.last_report = report
+    return out
+
+
+def _device(models):
+    for m in models:
+        for p in m.parameters():
+            return p.device
+    return torch.device("cpu")

@@ -1,0 +1,336 @@
+"""Export: HF-named tensors out of the Megatron model, one coalesced gather per bucket.
+
+In: model chunks on every trainer rank, a BucketPlan (plan.py), and on global rank 0 a
+function that hands out a destination buffer per bucket. Out, on rank 0: for each bucket,
+the packed buffer (HF tensors at the plan's byte offsets) plus, in the IPC layout, the
+tensors that stay in the sender's own parameters ("direct"). Every rank iterates: the
+collectives run inside.
+
+Per bucket, at most three collectives (never one per tensor):
+- dense bucket, TP>1: each TP rank concatenates the bytes of its shards of every TP-sharded
+  parameter in the bucket into one buffer; the stage leader receives all of them in one
+  batched point-to-point round (a gather), then merges (mbridge's _weight_merge_across_tp)
+  and converts (_weight_to_hf_format) per parameter into the bucket.
+- expert bucket (one MoE layer): each EP rank concatenates its local experts into one buffer;
+  the leader receives them straight into the bucket (in-place layout, ETP=1) or into a staging
+  buffer that is merged over ETP and copied (staged layout).
+- pipeline stage s>0: its leader sends the finished bucket to global rank 0 (one send).
+Only the first data-parallel replica takes part; the gathers move data toward rank 0 only.
+
+The plan is checked on every sync (plan signature all-reduced over the world: one tiny
+collective) and rebuilt when any rank's parameters changed shape, dtype or name. Parameter
+tensors are looked up by name on every sync, never cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .plan import HEADER_BYTES, BucketPlan, BucketSpec, TensorSlot, build_plan, local_params, signature, to_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def _dev_of(models) -> torch.device:
+    for _, _, t in local_params(models):
+        return t.device
+    return torch.device("cpu")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+class SlotPool:
+    """`n` reusable uint8 buffers; a buffer is handed out again only after the work fenced on it ended."""
+
+    def __init__(self, device, n: int = 2):
+        self.device = torch.device(device)
+        self.n = n
+        self.bufs: list[torch.Tensor | None] = [None] * n
+        self.pending: list[list] = [[] for _ in range(n)]
+        self.next = 0
+        self.last = -1
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        i = self.next
+        self.next = (i + 1) % self.n
+        for w in self.pending[i]:
+            w.wait()
+        self.pending[i] = []
+        if self.bufs[i] is None or self.bufs[i].numel() < nbytes:
+            self.bufs[i] = None
+            self.bufs[i] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        self.last = i
+        return self.bufs[i][:nbytes]
+
+    def fence(self, work) -> None:
+        """`work` (has .wait()) uses the buffer handed out last."""
+        if work is not None and self.last >= 0:
+            self.pending[self.last].append(work)
+
+    def drain(self) -> None:
+        for i in range(self.n):
+            for w in self.pending[i]:
+                w.wait()
+            self.pending[i] = []
+
+    def release(self) -> None:
+        self.drain()
+        self.bufs = [None] * self.n
+
+
+def _p2p(ops):
+    if not ops:
+        return []
+    return dist.batch_isend_irecv(ops)
+
+
+def _gather_rows(send: torch.Tensor, rows: list[torch.Tensor] | None, root: int, ranks: list[int], group) -> None:
+    """Rows of all group members at the root (rows[i] <- member i's `send`), one P2P round."""
+    me = dist.get_rank()
+    if me == root:
+        mine = rows[ranks.index(root)]
+        if mine.data_ptr() != send.data_ptr():
+            mine.copy_(send)
+        reqs = _p2p([dist.P2POp(dist.irecv, rows[i], r, group) for i, r in enumerate(ranks) if r != root])
+    else:
+        reqs = _p2p([dist.P2POp(dist.isend, send, root, group)])
+    for r in reqs:
+        r.wait()
+
+
+class BucketExporter:
+    """Iterates the plan's buckets; on rank 0 yields (bucket, packed buffer, direct tensors)."""
+
+    def __init__(self, bridge, models, bucket_bytes: int):
+        self.bridge = bridge
+        self.impl = bridge.impl if hasattr(bridge, "impl") else bridge
+        self.models = models
+        self.bucket_bytes = int(bucket_bytes)
+        self._plan: BucketPlan | None = None
+        self.rebuilds = 0
+        self._pool: SlotPool | None = None  # for non-zero stage leaders (their bucket before the send)
+
+    # -- plan -------------------------------------------------------------------------------------
+    def plan(self) -> BucketPlan:
+        """The plan for this sync: verified against every rank's parameters, rebuilt if stale."""
+        sig = signature(self.models)
+        stale = torch.tensor([int(self._plan is None or self._plan.signature != sig)], device=_dev_of(self.models))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stale, op=dist.ReduceOp.MAX)
+        if int(stale.item()):
+            self._plan = build_plan(self.bridge, self.models, self.bucket_bytes)
+            self.rebuilds += 1
+            if self._pool is not None:
+                self._pool.release()
+        return self._plan
+
+    # -- iteration --------------------------------------------------------------------------------
+    def iter_buckets(self, acquire: Callable[[BucketSpec, int], torch.Tensor | None] | None = None,
+                     layout: str = "full", plan: BucketPlan | None = None
+                     ) -> Iterator[tuple[BucketSpec, torch.Tensor | None, list[tuple[TensorSlot, torch.Tensor]]]]:
+        """Every rank calls. layout "full": every tensor packed at `offset` (broadcast transports);
+        "ipc": direct tensors are returned as views of the sender's parameters, the rest packed at
+        `ipc_offset`. `acquire(bucket, nbytes)` gives rank 0 its destination buffer."""
+        from megatron.core import parallel_state as mpu
+
+        if layout not in ("full", "ipc"):
+            raise ValueError(f"layout must be 'full' or 'ipc', got {layout!r}")
+        plan = plan or self.plan()
+        params = {(vpp, name): t for vpp, name, t in local_params(self.models)}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        dev = _dev_of(self.models)
+        ctx = _Ctx(
+            rank=rank, stage=mpu.get_pipeline_model_parallel_rank(),
+            dense_part=mpu.get_data_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0,
+            expert_part=mpu.get_expert_data_parallel_rank() == 0,
+            tp_group=mpu.get_tensor_model_parallel_group() if mpu.get_tensor_model_parallel_world_size() > 1 else None,
+            pp_group=mpu.get_pipeline_model_parallel_group() if mpu.get_pipeline_model_parallel_world_size() > 1 else None,
+        )
+        ctx.expert_group = None
+        if len(plan.ep_members) > 1:
+            from .plan import _expert_group
+
+            ctx.expert_group = _expert_group(dict(etp=mpu.get_expert_tensor_parallel_world_size()))
+        if acquire is None:
+            pool = SlotPool(dev, n=1)
+            acquire = lambda b, n: pool.acquire(n)  # noqa: E731
+        if self._pool is None and rank != 0 and rank in plan.leaders:
+            self._pool = SlotPool(dev, n=2)
+        with torch.no_grad():
+            for b in plan.buckets:
+                leader = plan.leaders[b.stage]
+                nbytes = b.nbytes if layout == "full" else b.ipc_nbytes
+                dest, direct = None, []
+                if rank == 0:
+                    dest = acquire(b, nbytes) if nbytes else None
+                elif rank == leader:
+                    dest = self._pool.acquire(nbytes) if nbytes else None
+                if b.stage == ctx.stage:
+                    if b.kind == "dense":
+                        self._dense(b, ctx, params, leader, dest, layout, direct)
+                    else:
+                        self._experts(b, ctx, params, leader, dest, layout, direct)
+                if b.stage != 0 and nbytes:
+                    if rank == leader:
+                        reqs = _p2p([dist.P2POp(dist.isend, dest, 0, ctx.pp_group)])
+                        for r in reqs:
+                            self._pool.fence(r)
+                    elif rank == 0:
+                        for r in _p2p([dist.P2POp(dist.irecv, dest, leader, ctx.pp_group)]):
+                            r.wait()
+                yield b, (dest if rank == 0 else None), direct
+
+    @staticmethod
+    def _place(t: TensorSlot, src: torch.Tensor, dest, layout, direct) -> None:
+        if layout == "ipc" and t.direct:
+            direct.append((t, src))
+            return
+        off = t.offset if layout == "full" else t.ipc_offset
+        t.view(dest, off).copy_(src)
+
+    def _dense(self, b: BucketSpec, ctx, params, leader, dest, layout, direct) -> None:
+        if not ctx.dense_part:
+            return
+        sharded = [u for u in b.units if u.tp_sharded]
+        staging, ranks, offs = None, None, {}
+        if sharded:
+            ranks = dist.get_process_group_ranks(ctx.tp_group)
+            parts, total = [], 0
+            for u in sharded:
+                p = _bytes(params[(u.vpp, u.local_name)])
+                offs[u.local_name] = (total, p.numel())
+                parts.append(p)
+                total += (p.numel() + 15) // 16 * 16  # keep every shard's dtype view aligned
+            send = torch.empty(total, dtype=torch.uint8, device=parts[0].device)
+            for u, p in zip(sharded, parts):
+                o, n = offs[u.local_name]
+                send[o : o + n].copy_(p)
+            rows = None
+            if ctx.rank == leader:
+                staging = torch.empty(len(ranks), total, dtype=torch.uint8, device=send.device)
+                rows = list(staging.unbind(0))
+            _gather_rows(send, rows, leader, ranks, ctx.tp_group)
+        if ctx.rank != leader:
+            return
+        for u in b.units:
+            p = params[(u.vpp, u.local_name)]
+            if u.tp_sharded:
+                o, n = offs[u.local_name]
+                shards = [staging[i, o : o + n].view(p.dtype).view(p.shape) for i in range(len(ranks))]
+                full = self.impl._weight_merge_across_tp(u.global_name, shards, p)
+            else:
+                full = p.detach()
+            _, outs = self.impl._weight_to_hf_format(u.global_name, full)
+            for pos, si in u.slots:
+                self._place(b.tensors[si], outs[pos], dest, layout, direct)
+
+    def _experts(self, b: BucketSpec, ctx, params, leader, dest, layout, direct) -> None:
+        if not ctx.expert_part:
+            return
+        g = b.experts
+        local = [params[(g.vpp, p.local_name)].detach() for p in g.params]
+        members = len(b.experts.slots)
+        ranks = dist.get_process_group_ranks(ctx.expert_group) if members > 1 else [leader]
+        if members == 1 and layout == "ipc" and all(t.direct for t in b.tensors):
+            # no gather, nothing packed: the sender's own experts are the HF tensors
+            for p, t, idx in zip(g.params, local, g.slots[0]):
+                _, outs = self.impl._weight_to_hf_format(self._global(p, 0, b), t)
+                for si, o in zip(idx, outs):
+                    direct.append((b.tensors[si], o))
+            return
+        if g.in_place:
+            rows = None
+            if ctx.rank == leader:
+                rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
+                        for m in range(members)]
+                send = rows[ranks.index(leader)]
+                torch.cat([_bytes(t) for t in local], out=send)
+            else:
+                send = torch.cat([_bytes(t) for t in local])
+            if members > 1:
+                _gather_rows(send, rows, leader, ranks, ctx.expert_group)
+            return
+        # staged (ETP>1 or a conversion that is not a contiguous view)
+        send = torch.cat([_bytes(t) for t in local])
+        staging = None
+        rows = None
+        if ctx.rank == leader:
+            staging = torch.empty(members, g.local_bytes, dtype=torch.uint8, device=send.device)
+            rows = list(staging.unbind(0))
+        if members > 1:
+            _gather_rows(send, rows, leader, ranks, ctx.expert_group)
+        else:
+            rows[0].copy_(send)
+        if ctx.rank != leader:
+            return
+        ep_members = self._plan.ep_members if self._plan else [(0, 0)]
+        by_ep: dict[int, list[int]] = {}
+        for m, (ep_rank, etp_rank) in enumerate(ep_members):
+            by_ep.setdefault(ep_rank, []).append((etp_rank, m))
+        for ep_rank, mem in sorted(by_ep.items()):
+            mem = [m for _, m in sorted(mem)]
+            for pi, (p, t) in enumerate(zip(g.params, local)):
+                shards = [staging[m, p.offset: p.offset + p.nbytes].view(t.dtype).view(t.shape) for m in mem]
+                name = self._global(p, ep_rank, b)
+                full = self.impl._weight_merge_across_tp(name, shards, t) if len(shards) > 1 else shards[0]
+                _, outs = self.impl._weight_to_hf_format(name, full)
+                for si, o in zip(g.slots[mem[0]][pi], outs):
+                    self._place(b.tensors[si], o, dest, layout, direct)
+
+    def _global(self, p, ep_rank: int, b: BucketSpec) -> str:
+        from .plan import _EXPERT
+
+        prefix, local_id = _EXPERT.match(p.global_name).group(1, 3)
+        per_rank = int(self.impl.config.num_moe_experts) // max(1, len({e for e, _ in self._plan.ep_members}))
+        return f"{prefix}{ep_rank * per_rank + int(local_id)}"
+
+
+class _Ctx:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def bucket_tensors(b: BucketSpec, buf: torch.Tensor | None, direct, layout: str = "full"):
+    """(name, tensor) of one exported bucket: views into `buf` plus the direct tensors."""
+    out = [(t.name, src) for t, src in direct]
+    if buf is not None:
+        for t in b.tensors:
+            if layout == "ipc" and t.direct:
+                continue
+            out.append((t.name, t.view(buf, t.offset if layout == "full" else t.ipc_offset)))
+    return out
+
+
+_EXPORTERS: dict = {}
+
+
+def get_exporter(bridge, models, bucket_bytes: int) -> BucketExporter:
+    """The cached exporter of (bridge, models, bucket size); its plan is re-verified every sync."""
+    key = (id(bridge), tuple(id(m) for m in models), int(bucket_bytes))
+    ex = _EXPORTERS.get(key)
+    if ex is None:
+        ex = _EXPORTERS[key] = BucketExporter(bridge, models, bucket_bytes)
+    return ex
+
+
+def export_hf_state_dict(bridge, models, bucket_bytes: int = 1 << 30, device="cpu") -> dict[str, torch.Tensor]:
+    """The whole HF state dict on rank 0 (copies on `device`); {} on other ranks. Collective."""
+    ex = get_exporter(bridge, models, bucket_bytes)
+    out = {}
+    for b, buf, direct in ex.iter_buckets():
+        if buf is not None or direct:
+            for name, t in bucket_tensors(b, buf, direct):
+                out[name] = t.to(device, copy=True)
+    return out
+
+
+__all__ = ["BucketExporter", "SlotPool", "bucket_tensors", "export_hf_state_dict", "get_exporter", "to_dtype"]

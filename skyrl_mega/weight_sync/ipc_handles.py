@@ -1,0 +1,67 @@
+"""Share a buffer with another process on the same machine: CUDA IPC handles, or /dev/shm files on CPU.
+
+encode(t) -> a JSON-able handle for a uint8 tensor covering a whole storage; decode(h) -> the
+same bytes as a uint8 tensor in the receiving process (opened once, cached by handle).
+CUDA: torch's own CUDA IPC reduction (cudaIpcGetMemHandle of the allocation, plus the
+producer's event so the consumer waits for pending writes), pickled and base64-encoded, as
+vLLM's IPC weight-transfer engine does. CPU (tests, dry runs): a file in /dev/shm that both
+processes map (torch.from_file(shared=True)).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import tempfile
+
+import torch
+
+_OPENED: dict[str, torch.Tensor] = {}
+
+
+def storage_bytes(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(uint8 tensor over t's whole storage, byte offset of t in it)."""
+    st = t.untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+    return whole, t.storage_offset() * t.element_size()
+
+
+def shm_buffer(nbytes: int, root: str = "/dev/shm") -> tuple[torch.Tensor, str]:
+    fd, path = tempfile.mkstemp(prefix="skyrl_ws_ipc_", dir=root)
+    os.ftruncate(fd, max(1, nbytes))
+    os.close(fd)
+    return torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8), path
+
+
+def encode(whole: torch.Tensor, shm_path: str | None = None) -> dict:
+    if whole.device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        func, args = reduce_tensor(whole)
+        return {"kind": "cuda", "device": whole.device.index,
+                "pickle": base64.b64encode(pickle.dumps((func, args))).decode()}
+    if shm_path is None:
+        raise ValueError("a CPU buffer can only be shared when it lives in a /dev/shm file")
+    return {"kind": "shm", "path": shm_path, "nbytes": whole.numel()}
+
+
+def decode(h: dict, device: torch.device | None = None) -> torch.Tensor:
+    key = h.get("pickle") or h["path"]
+    t = _OPENED.get(key)
+    if t is not None:
+        return t
+    if h["kind"] == "cuda":
+        func, args = pickle.loads(base64.b64decode(h["pickle"]))
+        args = list(args)
+        if device is not None and device.type == "cuda":
+            args[6] = device.index  # the consumer's ordinal of the same GPU
+        t = func(*args)
+    else:
+        t = torch.from_file(h["path"], shared=True, size=int(h["nbytes"]), dtype=torch.uint8)
+    _OPENED[key] = t
+    return t
+
+
+def close_all() -> None:
+    _OPENED.clear()

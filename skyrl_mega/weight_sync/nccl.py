@@ -1,0 +1,200 @@
+"""NCCL broadcast transport: trainer -> disaggregated engines (gloo on CPU, same code).
+
+Data path: Megatron shards --(one coalesced gather per bucket toward global rank 0; export.py)-->
+a packed uint8 bucket on rank 0's GPU (two rotating ~1 GiB buffers: bucket k+1 is packed while
+bucket k is on the wire) --NCCL broadcast in a process group of its own (rank 0 = trainer
+sender, ranks 1.. = every engine worker and standalone receiver; TCPStore rendezvous hosted
+by the trainer)--> a buffer on each receiver --> the engine's loader (vLLM: model.load_weights
+inside the layer-wise reload; receiver.py: merged copies into the parameters).
+Metadata (plan: names, dtypes, shapes, byte offsets) travels once per sync as JSON in
+update_weights (HTTP for vLLM servers, the TCPStore channel for standalone receivers); the
+data plane is protocol.py's header + buckets + trailer + status round. The engines are
+paused before and resumed after; finish_weight_update(version) sets the version they report.
+With comm_backend="gloo" the identical protocol runs on CPU (how the tests drive a real vLLM
+CPU server); only the communicator differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..rollout.errors import WeightSyncError
+from .base import BucketTransport
+from .checksum import buffer_checksums
+from .export import SlotPool
+from .plan import BucketPlan, BucketSpec
+from .protocol import END, OK, STATUS_ABORT, STATUS_DATA, Communicator, plan_key, version_id, write_header
+
+logger = logging.getLogger(__name__)
+
+STATUS_NAMES = {1: "checksum mismatch", 2: "load failed"}
+
+
+class NcclBroadcastTransport(BucketTransport):
+    """Packed buckets broadcast from trainer rank 0 to every engine worker (see module doc)."""
+
+    layout = "full"
+
+    def __init__(self, control=None, receivers=(), *, comm_backend: str | None = None, num_slots: int = 2,
+                 **kw):
+        super().__init__(control, receivers, **kw)
+        self.comm_backend = comm_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.num_slots = num_slots
+        self.comm: Communicator | None = None
+        self.pool: SlotPool | None = None
+        self._exe = ThreadPoolExecutor(max_workers=max(2, len(self.clients)))
+        self._futs: list = []
+        self._next = 0
+        self._data_done = False
+        self._cs = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(c.num_ranks() for c in self.clients)
+
+    def init(self) -> None:
+        """Rendezvous with every receiver (once; blocking until all joined)."""
+        if self.comm is not None:
+            return
+        t0 = time.perf_counter()
+        store = self._open_store()
+        world = self.world_size
+        info = {"mode": "broadcast", "comm_backend": self.comm_backend, "master_address": self.master_address,
+                "master_port": int(self.master_port), "world_size": world, "timeout_s": self.timeout_s}
+        futs, off = [], 1
+        for c in self.clients:
+            futs.append(self._exe.submit(c.init, info, off))
+            off += c.num_ranks()
+        try:
+            self.comm = Communicator(self.comm_backend, self.master_address, self.master_port, 0, world,
+                                     self.timeout_s, self.device, store=store)
+        finally:
+            errs = []
+            for f in futs:
+                try:
+                    f.result(timeout=self.timeout_s)
+                except Exception as e:
+                    errs.append(repr(e))
+            if errs:
+                self.comm = None
+                raise WeightSyncError(f"transfer group init failed: {errs}")
+        self.pool = SlotPool(self.device, n=self.num_slots)
+        self.timings["init_s"] = time.perf_counter() - t0
+
+    # -- one update ------------------------------------------------------------------------------------
+    def start(self, version, plan: BucketPlan | None = None) -> None:
+        if plan is None:
+            raise WeightSyncError("NcclBroadcastTransport.start needs the BucketPlan (use sync_weights)")
+        if self._futs:
+            raise WeightSyncError(f"update {self._version} is still in progress")
+        self.init()
+        self._version, self._plan = version, plan
+        self._vid, self._pkey = version_id(version), plan_key(plan.plan_id)
+        self._next, self._data_done = 0, False
+        self.timings = {k: v for k, v in self.timings.items() if k == "init_s"}
+        self._pause()
+        self._fanout(lambda c: c.start())
+        self._cs = (torch.zeros(plan.num_tensors, 2, dtype=torch.int64, device=self.device)
+                    if self.verify else None)
+        info = {"version": version, "verify": self.verify, "plan": plan.wire()}
+        self._touched = True
+        self._futs = [self._exe.submit(c.update, info) for c in self.clients]
+        self._t_start = time.perf_counter()
+
+    def acquire(self, bucket: BucketSpec, nbytes: int) -> torch.Tensor:
+        return self.pool.acquire(nbytes)
+
+    def _check_receivers(self) -> None:
+        for f in self._futs:
+            if f.done() and f.exception() is not None:
+                raise WeightSyncError(f"a receiver failed during update {self._version}: {f.exception()}")
+
+    def send_bucket(self, b: BucketSpec, buf: torch.Tensor, direct=()) -> None:
+        if direct:
+            raise WeightSyncError("the broadcast transport packs every tensor (layout 'full')")
+        if b.index != self._next:
+            raise WeightSyncError(f"bucket {b.index} sent out of order (expected {self._next})")
+        if self.fail_at_bucket is not None and b.index == self.fail_at_bucket:
+            raise WeightSyncError(f"injected failure before bucket {b.index}")
+        self._check_receivers()
+        write_header(buf, self._vid, b.index, STATUS_DATA, b.nbytes, self._pkey)
+        if self._cs is not None and b.tensors:
+            first = b.tensors[0].index
+            self._cs[first: first + len(b.tensors)] = buffer_checksums(buf, [(t.offset, t.nbytes) for t in b.tensors])
+        if self.corrupt_bucket is not None and b.index == self.corrupt_bucket and b.tensors:
+            o = b.tensors[0].offset
+            buf[o: o + 1].bitwise_xor_(0x5A)
+        self.pool.fence(self.comm.broadcast(buf, 0))
+        self._next += 1
+
+    def finish(self) -> dict[str, Any]:
+        version, plan = self._version, self._plan
+        if self._next != len(plan.buckets):
+            raise WeightSyncError(f"update {version}: {self._next}/{len(plan.buckets)} buckets sent")
+        t0 = time.perf_counter()
+        trailer = torch.zeros(2 + 2 * plan.num_tensors, dtype=torch.int64, device=self.device)
+        trailer[0], trailer[1] = END, self._vid
+        if self._cs is not None:
+            trailer[2:] = self._cs.view(-1)
+        self.comm.broadcast(trailer, 0).wait()
+        status = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        self.comm.all_reduce_sum(status)
+        self._data_done = True
+        st = status.cpu().tolist()
+        errs = []
+        for f in self._futs:
+            try:
+                f.result(timeout=self.timeout_s)
+            except Exception as e:
+                errs.append(str(e))
+        self._futs = []
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.timings["transfer_s"] = time.perf_counter() - self._t_start
+        self.timings["trailer_s"] = time.perf_counter() - t0
+        bad = {r: STATUS_NAMES.get(s, s) for r, s in enumerate(st) if s != OK}
+        if bad or errs:
+            self._leave_paused()
+            raise WeightSyncError(f"update {version} failed (engines stay paused on their previous version): "
+                                  f"receiver ranks {bad}; {errs}")
+        report = self._commit(version)
+        self.last_report = report
+        return report
+
+    def abort(self) -> None:
+        """Sends the abort bucket (+ filler) if receivers are mid-sync; they keep their old version."""
+        if self._futs and not self._data_done and self.comm is not None:
+            n = len(self._plan.buckets)
+            try:
+                for k in (self._next, self._next + 1):
+                    if k < n:
+                        nb = self._plan.buckets[k].nbytes
+                        buf = self.pool.acquire(nb)
+                        write_header(buf, self._vid, k, STATUS_ABORT, nb, self._pkey)
+                        self.pool.fence(self.comm.broadcast(buf, 0))
+                if self._next >= n:  # every bucket went out: an all-zero trailer says "aborted"
+                    trailer = torch.zeros(2 + 2 * self._plan.num_tensors, dtype=torch.int64, device=self.device)
+                    self.comm.broadcast(trailer, 0).wait()
+                self.pool.drain()
+            except Exception:
+                logger.exception("could not signal the abort to the receivers")
+            for f in self._futs:
+                try:
+                    f.result(timeout=self.timeout_s)
+                except Exception as e:
+                    logger.info("receiver after abort: %s", e)
+        self._futs = []
+        self._data_done = True
+        self._leave_paused()
+
+    def close(self) -> None:
+        super().close()
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        self._exe.shutdown(wait=False)

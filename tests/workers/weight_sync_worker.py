@@ -1,0 +1,171 @@
+"""torchrun worker for the weight-sync tests (one torchrun per layout).
+
+Run: torchrun --nproc-per-node N tests/workers/weight_sync_worker.py OUT_DIR MODE [key=value ...] -- overrides
+MODE "receiver": the trainer syncs to a standalone transformers receiver (gloo) that rank 0
+    starts; writes export.safetensors (bucketed export), mbridge.safetensors (mbridge's
+    per-tensor export), plan.json, logits of trainer and receiver per version, results.json.
+MODE "vllm": the trainer syncs to the vLLM server(s) given by urls=...; results.json.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from skyrl_mega.config import load_config, validate_config
+from skyrl_mega.megatron import forward, parallel
+from skyrl_mega.megatron.model import build_model
+from skyrl_mega.rollout.errors import WeightSyncError
+from skyrl_mega.weight_sync import ChannelClient, NcclBroadcastTransport, export_hf_state_dict, get_exporter, sync_weights
+
+BUCKET = 96 << 10  # small buckets: the tiny model spans many of them
+
+
+def fixed_ids():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 500, (2, 12), generator=g)
+
+
+def trainer_logits(models):
+    from megatron.core import parallel_state as mpu
+
+    ids = fixed_ids()
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    mbs = [{"input_ids": ids[i: i + 1], "position_ids": pos[i: i + 1]} for i in range(ids.shape[0])]
+    with torch.no_grad():
+        got = forward.run_microbatches(models, mbs, lambda mb, out: forward.gather_vocab_parallel(out).detach().cpu(),
+                                       forward_only=True, collect_non_loss_data=True)
+    if mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+        return torch.cat(got, 0)
+    return None
+
+
+def save_trainer_logits(models, out_dir, name):
+    lg = trainer_logits(models)
+    if lg is not None:
+        save_file({"logits": lg.contiguous()}, os.path.join(out_dir, name))
+    dist.barrier()
+
+
+def expect_failure(fn, results, key):
+    try:
+        fn()
+    except WeightSyncError as e:
+        results[key] = str(e)[:600]
+        return
+    results[key] = None
+
+
+def main():
+    out_dir, mode = sys.argv[1], sys.argv[2]
+    args = sys.argv[3:]
+    kv = dict(a.split("=", 1) for a in args[: args.index("--")]) if "--" in args else {}
+    overrides = args[args.index("--") + 1:] if "--" in args else args
+    cfg = load_config(None, overrides)
+    validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    rank, world = parallel.init_distributed()
+    parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
+    bridge, models = build_model(cfg)
+    results = {"world": world}
+
+    if mode == "receiver":
+        # 1) bucketed export vs mbridge's per-tensor export, and the plan
+        t0 = time.perf_counter()
+        sd = export_hf_state_dict(bridge, models, BUCKET)
+        results["export_s"] = time.perf_counter() - t0
+        ref = {n: t.detach().cpu().clone().contiguous() for n, t in bridge.export_hf(models)}
+        plan = get_exporter(bridge, models, BUCKET).plan()
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir, "export.safetensors"))
+            save_file(ref, os.path.join(out_dir, "mbridge.safetensors"))
+            with open(os.path.join(out_dir, "plan.json"), "w") as f:
+                json.dump({"summary": plan.summary(), "wire": plan.wire(), "bucket_bytes": BUCKET}, f)
+        # 2) a standalone receiver (transformers, original weights) on gloo
+        transport, rx_proc, client = None, None, None
+        if rank == 0:
+            from skyrl_mega.weight_sync.base import free_port
+
+            port = free_port()
+            rx_proc = subprocess.Popen(
+                [sys.executable, "-m", "skyrl_mega.weight_sync.receiver", "--master-port", str(port),
+                 "--model", kv["receiver_model"], "--out-dir", out_dir, "--timeout-s", "120"],
+                stdout=open(os.path.join(out_dir, "receiver.log"), "w"), stderr=subprocess.STDOUT)
+            client = ChannelClient(1, timeout_s=120)
+            transport = NcclBroadcastTransport(receivers=[client], comm_backend="gloo", master_port=port,
+                                               verify=True, timeout_s=120)
+        try:
+            save_trainer_logits(models, out_dir, "trainer_v1.safetensors")
+            m = sync_weights(bridge, models, transport, version=1, bucket_bytes=BUCKET)
+            results["sync1"] = {k: v for k, v in m.items()}
+            if rank == 0:
+                client.call("save_logits", {"input_ids": fixed_ids().tolist(), "file": "receiver_v1.safetensors"})
+                results["report_v1"] = client.call("report")[0]
+            # 3) a corrupted bucket: verification catches it, the receiver keeps version 1
+            if rank == 0:
+                transport.corrupt_bucket = 2
+            expect_failure(lambda: sync_weights(bridge, models, transport, version=2, bucket_bytes=BUCKET),
+                           results, "corrupt_error")
+            if rank == 0:
+                transport.corrupt_bucket = None
+                results["report_after_corrupt"] = client.call("report")[0]
+            # 4) a sync that dies half-way: the receiver keeps version 1
+            if rank == 0:
+                transport.fail_at_bucket = 3
+            expect_failure(lambda: sync_weights(bridge, models, transport, version=3, bucket_bytes=BUCKET),
+                           results, "abort_error")
+            if rank == 0:
+                transport.fail_at_bucket = None
+                results["report_after_abort"] = client.call("report")[0]
+            # 5) new parameter tensors (same names/shapes): the next sync sends the new values
+            with torch.no_grad():
+                for m_ in models:
+                    for p in m_.parameters():
+                        p.data = p.data.clone() * 1.01
+            save_trainer_logits(models, out_dir, "trainer_v4.safetensors")
+            m = sync_weights(bridge, models, transport, version=4, bucket_bytes=BUCKET)
+            results["sync4"] = m
+            if rank == 0:
+                client.call("save_logits", {"input_ids": fixed_ids().tolist(), "file": "receiver_v4.safetensors"})
+                results["report_v4"] = client.call("report")[0]
+        finally:
+            if rank == 0:
+                transport.close()
+                try:
+                    rx_proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    rx_proc.kill()
+    elif mode == "vllm":
+        from skyrl_mega.rollout.control import EngineControl
+
+        urls = kv["urls"].split(",")
+        transport = None
+        if rank == 0:
+            ctl = EngineControl(urls, timeout_s=120)
+            transport = NcclBroadcastTransport(ctl, comm_backend="gloo", verify=True, timeout_s=120)
+            results["version_before"] = ctl.weight_versions()
+        # a sync that dies half-way first: engines paused, old version
+        if rank == 0:
+            transport.fail_at_bucket = 4
+        expect_failure(lambda: sync_weights(bridge, models, transport, version=7, bucket_bytes=BUCKET),
+                       results, "abort_error")
+        if rank == 0:
+            transport.fail_at_bucket = None
+            results["after_abort"] = {"versions": ctl.weight_versions(), "paused": ctl.is_paused()}
+        m = sync_weights(bridge, models, transport, version=8, bucket_bytes=BUCKET)
+        results["sync"] = m
+        if rank == 0:
+            results["after_sync"] = {"versions": ctl.weight_versions(), "paused": ctl.is_paused()}
+            transport.close()
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f, default=str, indent=1)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
