@@ -131,15 +131,16 @@ def main(argv: list[str]) -> None:
             metrics_log = MetricsLogger(cfg, steps, start)
         log0(f"{'resuming from step ' + str(start) if start else 'starting'}; world size {world}, "
              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}")
-        sync_weights(policy.bridge, policy.models, ctrl.engines.transport if ctrl else None, version=start)
+        transport = ctrl.engines.transport if ctrl is not None else None  # rank 0 sends, others export
+        sync_weights(policy.bridge, policy.models, transport, version=start)
 
         for step in range(start, steps):
             t0 = time.perf_counter()
-            result = rollout_with_retries(cfg, ctrl, policy, step, version=step)
+            result = rollout_with_retries(cfg, ctrl, policy, step, version=step)   # rank 0 only
             batch, metrics = (result[0], dict(result[1])) if result else (None, {})
             t_rollout = time.perf_counter() - t0
             if ctrl is not None:
-                ctrl.engines.before_training()
+                ctrl.engines.before_training()                                      # colocated: sleep
             batch = broadcast_rl_batch(batch)
             mine = batch.select(shard_for_dp(batch.lengths, mpu.get_data_parallel_world_size(),
                                              mpu.get_data_parallel_rank()))
@@ -147,31 +148,46 @@ def main(argv: list[str]) -> None:
             metrics.update(train_step(policy, mine, cfg, ref))
             t_train = time.perf_counter() - t1
             if ctrl is not None:
-                ctrl.engines.before_rollout()
-            metrics.update(sync_weights(policy.bridge, policy.models, ctrl.engines.transport if ctrl else None,
-                                        version=step + 1))
-            if cfg.checkpoint.every_n_steps and (step + 1) % cfg.checkpoint.every_n_steps == 0 and step + 1 < steps:
-                save_checkpoint(ckpt_root, step + 1, policy.models, policy.optimizer, policy.scheduler,
-                                {"sampler": ctrl.sampler.state() if ctrl else None}, cfg.checkpoint.keep_last)
-            if cfg.checkpoint.hf_export_every_n_steps and (step + 1) % cfg.checkpoint.hf_export_every_n_steps == 0:
-                policy.bridge.save_hf(policy.models, os.path.join(cfg.output_dir, "hf", f"step_{step + 1}"))
+                ctrl.engines.before_rollout()                                       # colocated: wake
+            metrics.update(sync_weights(policy.bridge, policy.models, transport, version=step + 1))
+            save_due(cfg, policy, ctrl, ckpt_root, step + 1)
             step_s = time.perf_counter() - t0
             metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train, "time/step_s": step_s,
                             "tokens_per_s": sum(batch.lengths) / step_s})
             if metrics_log is not None:
                 metrics_log.log(step, metrics)
 
-        save_checkpoint(ckpt_root, steps, policy.models, policy.optimizer, policy.scheduler,
-                        {"sampler": ctrl.sampler.state() if ctrl else None}, cfg.checkpoint.keep_last)
-        hf_dir = os.path.join(cfg.output_dir, "hf", "final")
-        if cfg.checkpoint.hf_export_at_end:
-            policy.bridge.save_hf(policy.models, hf_dir)
+        hf_dir = save_final(cfg, policy, ctrl, ckpt_root)
         if ctrl is not None:
             finish_report(cfg, metrics_log, ckpt_root, steps, hf_dir)
     finally:
         if ctrl is not None:
             ctrl.engines.stop()
         parallel.destroy()
+
+
+def _trainer_state(ctrl) -> dict:
+    return {"sampler": ctrl.sampler.state() if ctrl is not None else None}
+
+
+def save_due(cfg, policy, ctrl, ckpt_root: str, done: int) -> None:
+    """Collective: the periodic dist-ckpt and HF exports after `done` steps."""
+    c = cfg.checkpoint
+    if c.every_n_steps and done % c.every_n_steps == 0 and done < cfg.train.steps:
+        save_checkpoint(ckpt_root, done, policy.models, policy.optimizer, policy.scheduler, _trainer_state(ctrl),
+                        c.keep_last)
+    if c.hf_export_every_n_steps and done % c.hf_export_every_n_steps == 0:
+        policy.bridge.save_hf(policy.models, os.path.join(cfg.output_dir, "hf", f"step_{done}"))
+
+
+def save_final(cfg, policy, ctrl, ckpt_root: str) -> str:
+    """Collective: the last checkpoint, and the HF export when asked. Returns the HF dir."""
+    save_checkpoint(ckpt_root, cfg.train.steps, policy.models, policy.optimizer, policy.scheduler,
+                    _trainer_state(ctrl), cfg.checkpoint.keep_last)
+    hf_dir = os.path.join(cfg.output_dir, "hf", "final")
+    if cfg.checkpoint.hf_export_at_end:
+        policy.bridge.save_hf(policy.models, hf_dir)
+    return hf_dir
 
 
 def finish_report(cfg, metrics_log, ckpt_root: str, steps: int, hf_dir: str) -> None:
