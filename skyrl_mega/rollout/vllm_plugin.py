@@ -4,7 +4,13 @@
    of this environment. On CPU it installs `install_cpu_moe_reload_fix()`; elsewhere it does
    nothing. Set SKYRL_MEGA_VLLM_PLUGIN=0 to switch it off.
 
-2. `SkyrlWorkerExtension` (`--worker-extension-cls skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension`,
+2. `register()` also adds skyrl-mega's bucketed weight-transfer backend "skyrl_bucket"
+   (skyrl_mega/weight_sync/vllm_engine.py) to vLLM's WeightTransferEngineFactory, lazily by
+   module path; a server selects it with --weight-transfer-config '{"backend": "skyrl_bucket"}'
+   and is then updated through vLLM's native endpoints (/init_weight_transfer_engine,
+   /start_weight_update, /update_weights, /finish_weight_update).
+
+3. `SkyrlWorkerExtension` (`--worker-extension-cls skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension`,
    the ServerManager's default) adds collective_rpc methods to every worker:
        skyrl_load_weights(manifest)   manifest = JSON {"files": [safetensors paths], "version": v}
        skyrl_weight_version()
@@ -50,6 +56,23 @@ def register() -> None:
             install_cpu_moe_reload_fix()
     except Exception as e:  # never break vLLM start-up; the worker extension retries the fix
         logger.warning("skyrl_mega plugin: CPU MoE reload fix not installed: %r", e)
+    try:
+        register_weight_transfer_backend()
+    except Exception as e:  # an older vLLM without the weight-transfer registry
+        logger.warning("skyrl_mega plugin: weight-transfer backend not registered: %r", e)
+
+
+WEIGHT_TRANSFER_BACKEND = "skyrl_bucket"
+
+
+def register_weight_transfer_backend() -> bool:
+    """Registers "skyrl_bucket" in vLLM's WeightTransferEngineFactory (idempotent, lazy import)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if WEIGHT_TRANSFER_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            WEIGHT_TRANSFER_BACKEND, "skyrl_mega.weight_sync.vllm_engine", "SkyrlBucketWeightTransferEngine")
+    return True
 
 
 def install_cpu_moe_reload_fix() -> bool:

@@ -29,7 +29,7 @@ import torch
 from ..rollout.errors import WeightSyncError
 from . import ipc_handles
 from .base import BucketTransport
-from .checksum import buffer_checksums, tensor_checksum
+from .checksum import buffer_checksums, digest, tensor_checksum
 from .plan import ALIGN, BucketPlan, BucketSpec
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class CudaIpcTransport(BucketTransport):
         self._shm_path: str | None = None
         self._inited = False
         self.rounds = 0
+        self.last_digest: str | None = None
 
     @property
     def layout(self) -> str:
@@ -105,6 +106,7 @@ class CudaIpcTransport(BucketTransport):
         self._direct_whole: list[torch.Tensor] = []
         self._round = 0
         self._next = 0
+        self._sent_sums: dict[int, list[int]] = {}
         self._t_start = time.perf_counter()
         self.timings = {}
         self._pause()
@@ -156,6 +158,7 @@ class CudaIpcTransport(BucketTransport):
                                 "verify": self.verify, "handles": handles, "tensors": self._entries}
         if self.verify:
             info["checksums"] = torch.cat(self._sums).cpu().tolist() if self._sums else []
+            self._sent_sums.update({e[6]: row for e, row in zip(self._entries, info["checksums"])})
         elif self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._fanout(lambda c: c.update(info))
@@ -173,6 +176,8 @@ class CudaIpcTransport(BucketTransport):
         self._flush(last=True)
         self.timings["transfer_s"] = time.perf_counter() - self._t_start
         report = self._commit(self._version)
+        self.last_digest = (digest(torch.tensor([self._sent_sums[k] for k in sorted(self._sent_sums)],
+                                                dtype=torch.int64)) if self.verify else None)
         self.last_report = report
         return report
 

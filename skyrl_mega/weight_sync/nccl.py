@@ -25,7 +25,7 @@ import torch
 
 from ..rollout.errors import WeightSyncError
 from .base import BucketTransport
-from .checksum import buffer_checksums
+from .checksum import buffer_checksums, digest
 from .export import SlotPool
 from .plan import BucketPlan, BucketSpec
 from .protocol import END, OK, STATUS_ABORT, STATUS_DATA, Communicator, plan_key, version_id, write_header
@@ -52,6 +52,7 @@ class NcclBroadcastTransport(BucketTransport):
         self._next = 0
         self._data_done = False
         self._cs = None
+        self.last_digest: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -163,6 +164,7 @@ class NcclBroadcastTransport(BucketTransport):
             raise WeightSyncError(f"update {version} failed (engines stay paused on their previous version): "
                                   f"receiver ranks {bad}; {errs}")
         report = self._commit(version)
+        self.last_digest = digest(self._cs) if self._cs is not None else None
         self.last_report = report
         return report
 

@@ -118,7 +118,7 @@ class WeightReceiver:
         self.pending: Any = None
         self.consistent = True
         self.last_error: str | None = None
-        self.checksums: dict[str, list[int]] = {}
+        self.checksums: dict[int, tuple[str, list[int]]] = {}  # plan index -> (name, checksum) of the last sync
         self._slots: list[torch.Tensor | None] = [None, None]
         self._plans: dict = {}
         self.timings: dict[str, float] = {}
@@ -174,7 +174,7 @@ class WeightReceiver:
         return self.report()
 
     def report(self) -> dict:
-        rows = [self.checksums[k] for k in sorted(self.checksums)]
+        rows = [self.checksums[k][1] for k in sorted(self.checksums)]
         cs = digest(torch.tensor(rows, dtype=torch.int64)) if rows else None
         return {"version": self.version, "consistent": self.consistent, "checksum": cs,
                 "num_tensors": len(self.checksums), "last_error": self.last_error}
@@ -201,8 +201,7 @@ class WeightReceiver:
 
     def _record_checksums(self, plan: dict, cs: torch.Tensor) -> None:
         names = [t[0] for b in plan["buckets"] for t in b["tensors"]]
-        rows = cs.cpu().tolist()
-        self.checksums = dict(zip(names, rows))
+        self.checksums = {i: (n, r) for i, (n, r) in enumerate(zip(names, cs.cpu().tolist()))}
 
     def _ipc_round(self, info: dict) -> dict:
         sources = {i: ipc_handles.decode(h, self.device) for i, h in enumerate(info["handles"])}
@@ -227,7 +226,7 @@ class WeightReceiver:
             bad = [slots[i][1] for i in (exp != g).any(1).nonzero().flatten().tolist()]
             if info.get("round", 0) == 0:
                 self.checksums = {}
-            self.checksums.update({n: r for (_, n), r in zip(slots, g.tolist())})
+            self.checksums.update({idx: (n, r) for (idx, n), r in zip(slots, g.tolist())})
         if bad:
             raise WeightSyncError(f"update {info['version']}: checksum mismatch for {len(bad)} tensor(s) "
                                   f"received over CUDA IPC, e.g. {bad[:3]}")

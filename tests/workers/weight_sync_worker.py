@@ -3,8 +3,9 @@
 Run: torchrun --nproc-per-node N tests/workers/weight_sync_worker.py OUT_DIR MODE [key=value ...] -- overrides
 MODE "receiver": the trainer syncs to a standalone transformers receiver (gloo) that rank 0
     starts; writes export.safetensors (bucketed export), mbridge.safetensors (mbridge's
-    per-tensor export), plan.json, logits of trainer and receiver per version, results.json.
-MODE "vllm": the trainer syncs to the vLLM server(s) given by urls=...; results.json.
+    per-tensor export), plan.json, the receiver's logits per version, results.json.
+MODE "vllm": the trainer syncs to the vLLM server(s) given by urls=... and a standalone
+    receiver in the same transfer group; writes trainer and receiver logits, results.json.
 """
 
 import json
@@ -19,7 +20,7 @@ from safetensors.torch import save_file
 
 from skyrl_mega.config import load_config, validate_config
 from skyrl_mega.megatron import forward, parallel
-from skyrl_mega.megatron.model import build_model
+from skyrl_mega.megatron.model import build_bridge, build_model
 from skyrl_mega.rollout.errors import WeightSyncError
 from skyrl_mega.weight_sync import ChannelClient, NcclBroadcastTransport, export_hf_state_dict, get_exporter, sync_weights
 
@@ -52,6 +53,21 @@ def save_trainer_logits(models, out_dir, name):
     dist.barrier()
 
 
+def start_receiver(port, model_dir, out_dir):
+    return subprocess.Popen(
+        [sys.executable, "-m", "skyrl_mega.weight_sync.receiver", "--master-port", str(port),
+         "--model", model_dir, "--out-dir", out_dir, "--timeout-s", "120"],
+        stdout=open(os.path.join(out_dir, "receiver.log"), "w"), stderr=subprocess.STDOUT)
+
+
+def stop(transport, rx_proc):
+    transport.close()
+    try:
+        rx_proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        rx_proc.kill()
+
+
 def expect_failure(fn, results, key):
     try:
         fn()
@@ -70,7 +86,8 @@ def main():
     validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     rank, world = parallel.init_distributed()
     parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
-    bridge, models = build_model(cfg)
+    extra = {"moe_token_dispatcher_type": kv["dispatcher"]} if "dispatcher" in kv else {}
+    bridge, models = build_model(cfg, bridge=build_bridge(cfg, **extra))
     results = {"world": world}
 
     if mode == "receiver":
@@ -91,20 +108,17 @@ def main():
             from skyrl_mega.weight_sync.base import free_port
 
             port = free_port()
-            rx_proc = subprocess.Popen(
-                [sys.executable, "-m", "skyrl_mega.weight_sync.receiver", "--master-port", str(port),
-                 "--model", kv["receiver_model"], "--out-dir", out_dir, "--timeout-s", "120"],
-                stdout=open(os.path.join(out_dir, "receiver.log"), "w"), stderr=subprocess.STDOUT)
+            rx_proc = start_receiver(port, kv["receiver_model"], out_dir)
             client = ChannelClient(1, timeout_s=120)
             transport = NcclBroadcastTransport(receivers=[client], comm_backend="gloo", master_port=port,
                                                verify=True, timeout_s=120)
         try:
-            save_trainer_logits(models, out_dir, "trainer_v1.safetensors")
             m = sync_weights(bridge, models, transport, version=1, bucket_bytes=BUCKET)
             results["sync1"] = {k: v for k, v in m.items()}
             if rank == 0:
                 client.call("save_logits", {"input_ids": fixed_ids().tolist(), "file": "receiver_v1.safetensors"})
                 results["report_v1"] = client.call("report")[0]
+                results["sender_digest_v1"] = transport.last_digest
             # 3) a corrupted bucket: verification catches it, the receiver keeps version 1
             if rank == 0:
                 transport.corrupt_bucket = 2
@@ -126,41 +140,52 @@ def main():
                 for m_ in models:
                     for p in m_.parameters():
                         p.data = p.data.clone() * 1.01
-            save_trainer_logits(models, out_dir, "trainer_v4.safetensors")
             m = sync_weights(bridge, models, transport, version=4, bucket_bytes=BUCKET)
             results["sync4"] = m
             if rank == 0:
                 client.call("save_logits", {"input_ids": fixed_ids().tolist(), "file": "receiver_v4.safetensors"})
                 results["report_v4"] = client.call("report")[0]
+                results["sender_digest_v4"] = transport.last_digest
         finally:
             if rank == 0:
-                transport.close()
-                try:
-                    rx_proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    rx_proc.kill()
+                stop(transport, rx_proc)
     elif mode == "vllm":
         from skyrl_mega.rollout.control import EngineControl
 
         urls = kv["urls"].split(",")
-        transport = None
+        transport, ctl, client, rx_proc = None, None, None, None
         if rank == 0:
+            from skyrl_mega.weight_sync.base import free_port
+
+            port = free_port()
+            rx_proc = start_receiver(port, kv["receiver_model"], out_dir)
             ctl = EngineControl(urls, timeout_s=120)
-            transport = NcclBroadcastTransport(ctl, comm_backend="gloo", verify=True, timeout_s=120)
+            client = ChannelClient(1, timeout_s=120)
+            # one transfer group: trainer rank 0, the vLLM worker(s) and a standalone receiver
+            transport = NcclBroadcastTransport(ctl, receivers=[client], comm_backend="gloo", master_port=port,
+                                               verify=True, timeout_s=120)
             results["version_before"] = ctl.weight_versions()
-        # a sync that dies half-way first: engines paused, old version
-        if rank == 0:
-            transport.fail_at_bucket = 4
-        expect_failure(lambda: sync_weights(bridge, models, transport, version=7, bucket_bytes=BUCKET),
-                       results, "abort_error")
-        if rank == 0:
-            transport.fail_at_bucket = None
-            results["after_abort"] = {"versions": ctl.weight_versions(), "paused": ctl.is_paused()}
-        m = sync_weights(bridge, models, transport, version=8, bucket_bytes=BUCKET)
-        results["sync"] = m
-        if rank == 0:
-            results["after_sync"] = {"versions": ctl.weight_versions(), "paused": ctl.is_paused()}
-            transport.close()
+        try:
+            # a sync that dies half-way first: engines paused, old version everywhere
+            if rank == 0:
+                transport.fail_at_bucket = 4
+            expect_failure(lambda: sync_weights(bridge, models, transport, version=7, bucket_bytes=BUCKET),
+                           results, "abort_error")
+            if rank == 0:
+                transport.fail_at_bucket = None
+                results["after_abort"] = {"versions": ctl.weight_versions(), "paused": ctl.is_paused(),
+                                          "receiver": client.call("report")[0]}
+            m = sync_weights(bridge, models, transport, version=8, bucket_bytes=BUCKET)
+            results["sync"] = m
+            save_trainer_logits(models, out_dir, "trainer_v8.safetensors")
+            if rank == 0:
+                results["after_sync"] = {"versions": ctl.weight_versions(), "paused": ctl.is_paused()}
+                client.call("save_logits", {"input_ids": fixed_ids().tolist(), "file": "receiver_v8.safetensors"})
+                results["receiver_v8"] = client.call("report")[0]
+                results["sender_digest"] = transport.last_digest
+        finally:
+            if rank == 0:
+                stop(transport, rx_proc)
     if rank == 0:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(results, f, default=str, indent=1)
