@@ -3,15 +3,22 @@ route capture (R3). Not a test: prints a table and the ratios.
 
     python bench/rollout_throughput.py [--model DIR] [--prompts 64] [--n 4] [--max-tokens 64]
 
-Configurations (each run `--repeats` times round-robin after a warm-up; median tokens/s):
+Configurations (each run `--repeats` times round-robin after a warm-up):
     direct      client -> server 0
     router x1   client -> vllm-router -> server 0          (the router's own cost)
     router xN   client -> vllm-router -> servers 0..N-1    (scale-out on this box)
-each with `--enable-return-routed-experts` (client decodes the routes) and without: two
-server sets, both up for the whole run, measured round-robin. Each set's N servers are
-pinned to disjoint core slices (ServerManager's default), so "direct" runs on server 0's
-slice only. Generated tokens/s counts sampled tokens (ignore_eos, so
-every sample has exactly max_tokens).
+each with `--enable-return-routed-experts` (the client decodes and maps the routes) and
+without: two server sets, both up for the whole run (idle engines use ~1% CPU), measured
+round-robin so load drift hits every configuration alike. Each set's N servers are pinned
+to disjoint core slices (ServerManager's default), so "direct" runs on server 0's slice.
+
+Two measures per run:
+    tok/s        generated tokens / wall seconds (ignore_eos: every sample has max_tokens)
+    CPU ms/ktok  CPU seconds consumed per 1000 generated tokens by every process on the
+                 path: the servers' process groups (API server + EngineCore + Worker), the
+                 router, and this client process. Far less sensitive than tok/s to other
+                 jobs on a shared box: it prices the work, not the wait.
+Both are medians over the repeats.
 """
 
 from __future__ import annotations
@@ -31,6 +38,24 @@ from skyrl_mega.rollout.client import RolloutClient, SamplingParams  # noqa: E40
 from skyrl_mega.rollout.router import RouterProcess  # noqa: E402
 from skyrl_mega.rollout.servers import ServerConfig, ServerManager  # noqa: E402
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(pgids: set[int], pids: set[int] = frozenset()) -> float:
+    """utime+stime (s) of every live process in the given process groups, or with the given pids."""
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids or int(d) in pids:  # fields[2] = pgrp; [11], [12] = utime, stime
+            total += int(fields[11]) + int(fields[12])
+    return total / _TICK
+
 
 def make_prompts(k: int, seed: int = 0):
     import numpy as np
@@ -42,24 +67,30 @@ def make_prompts(k: int, seed: int = 0):
 async def one_run(url, prompts, sampling, capture, concurrency):
     async with RolloutClient(url, max_concurrency=concurrency, deadline_s=900, return_routed_experts=capture,
                              moe_layers=[1, 2, 3] if capture else None, num_experts=8 if capture else None) as c:
-        t0 = time.perf_counter()
         gens = await c.generate_batch(prompts, sampling)
-        dt = time.perf_counter() - t0
-    tokens = sum(len(s.token_ids) for g in gens for s in g.samples)
     if capture:
         assert all(s.routed_experts is not None for g in gens for s in g.samples)
-    return tokens / dt
+    return sum(len(s.token_ids) for g in gens for s in g.samples)
+
+
+def timed_run(target, prompts, sampling, concurrency):
+    url, capture, pgids, pids = target["url"], target["capture"], target["pgids"], target["pids"]
+    cpu0, client0, t0 = group_cpu_s(pgids, pids), time.process_time(), time.perf_counter()
+    tokens = asyncio.run(one_run(url, prompts, sampling, capture, concurrency))
+    wall = time.perf_counter() - t0
+    cpu = group_cpu_s(pgids, pids) - cpu0 + time.process_time() - client0
+    return tokens / wall, 1e6 * cpu / tokens  # tok/s, CPU ms per 1000 tokens
 
 
 def measure(targets, prompts, sampling, repeats, concurrency):
-    """targets: {(path, capture): url}; round-robin over targets, `repeats` times, after a warm-up."""
-    for (_, capture), url in targets.items():
-        asyncio.run(one_run(url, prompts[: max(4, len(prompts) // 8)], sampling, capture, concurrency))
+    for t in targets.values():  # warm-up
+        timed_run(t, prompts[: max(4, len(prompts) // 8)], sampling, concurrency)
     runs = {k: [] for k in targets}
     for _ in range(repeats):
-        for key, url in targets.items():
-            runs[key].append(asyncio.run(one_run(url, prompts, sampling, key[1], concurrency)))
-    return {k: statistics.median(v) for k, v in runs.items()}, runs
+        for key, t in targets.items():
+            runs[key].append(timed_run(t, prompts, sampling, concurrency))
+    med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in runs.items()}
+    return med, runs
 
 
 def main():
@@ -70,7 +101,7 @@ def main():
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
 
@@ -83,47 +114,49 @@ def main():
     log_dir = args.log_dir or os.path.join(tmp, "logs")
     prompts = make_prompts(args.prompts)
     sampling = SamplingParams(max_tokens=args.max_tokens, n=args.n, temperature=1.0, seed=0, ignore_eos=True)
+    n = args.servers
+    paths = ("direct", "router x1", f"router x{n}")
 
-    # Both server sets stay up together (idle engines block on their input queue) and the
-    # six targets are measured round-robin, so box-load drift hits every configuration alike.
     t0 = time.time()
     managers, routers, targets = [], [], {}
     try:
         for capture in (True, False):
             tag = "capture" if capture else "no_capture"
             cfg = ServerConfig(model=model, dtype="float32", max_model_len=512, return_routed_experts=capture)
-            sm = ServerManager(cfg, num_servers=args.servers, log_dir=os.path.join(log_dir, tag), startup_timeout_s=900)
+            sm = ServerManager(cfg, num_servers=n, log_dir=os.path.join(log_dir, tag), startup_timeout_s=900)
             managers.append(sm.start())
             r1 = RouterProcess(sm.urls[:1], log_dir=os.path.join(log_dir, tag, "r1")).start()
             rn = RouterProcess(sm.urls, log_dir=os.path.join(log_dir, tag, "rn")).start()
             routers += [r1, rn]
-            targets[("direct", capture)] = sm.urls[0]
-            targets[("router x1", capture)] = r1.url
-            targets[(f"router x{args.servers}", capture)] = rn.url
-        print(f"{2 * args.servers} servers + 4 routers up in {time.time() - t0:.0f}s", flush=True)
+            pg = [s.child.pid for s in sm.servers]
+            targets[("direct", capture)] = dict(url=sm.urls[0], capture=capture, pgids={pg[0]}, pids=set())
+            targets[("router x1", capture)] = dict(url=r1.url, capture=capture, pgids={pg[0]}, pids={r1.child.pid})
+            targets[(paths[2], capture)] = dict(url=rn.url, capture=capture, pgids=set(pg), pids={rn.child.pid})
+        print(f"{2 * n} servers + 4 routers up in {time.time() - t0:.0f}s", flush=True)
         med, runs = measure(targets, prompts, sampling, args.repeats, args.concurrency)
     finally:
         for r in routers:
             r.stop()
         for sm in managers:
             sm.stop()
-    results = med
-    for (k, cap), v in med.items():
-        print(f"[{'capture' if cap else 'no_capture'}] {k:>10}: {v:8.1f} tok/s  runs {[round(x, 1) for x in runs[(k, cap)]]}")
 
-    n = args.servers
+    for (k, cap), (tps, cpu) in med.items():
+        print(f"[{'capture' if cap else 'no_capture':>10}] {k:>10}: {tps:7.0f} tok/s {cpu:7.1f} CPU ms/ktok   "
+              f"runs tok/s {[round(r[0]) for r in runs[(k, cap)]]} CPU ms/ktok {[round(r[1], 1) for r in runs[(k, cap)]]}")
     print()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"{args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, concurrency {args.concurrency}")
-    print(f"{'path':>12} {'capture tok/s':>14} {'no-capture tok/s':>17} {'capture cost':>13}")
-    for k in ("direct", "router x1", f"router x{n}"):
-        on, off = results[(k, True)], results[(k, False)]
-        print(f"{k:>12} {on:14.1f} {off:17.1f} {on / off:13.3f}")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; {args.prompts} prompts x n={args.n} x "
+          f"{args.max_tokens} tokens, concurrency {args.concurrency}, {args.repeats} repeats")
+    print(f"{'path':>10} | {'tok/s cap':>9} {'no cap':>7} {'ratio':>6} | {'CPU ms/ktok cap':>15} {'no cap':>7} {'ratio':>6}")
+    for k in paths:
+        (a, ca), (b, cb) = med[(k, True)], med[(k, False)]
+        print(f"{k:>10} | {a:9.0f} {b:7.0f} {a / b:6.3f} | {ca:15.1f} {cb:7.1f} {ca / cb:6.3f}")
     print()
     for cap, tag in ((True, "capture"), (False, "no capture")):
-        d = results[("direct", cap)]
-        print(f"[{tag}] router x1 / direct = {results[('router x1', cap)] / d:.3f}; "
-              f"router x{n} / direct = {results[(f'router x{n}', cap)] / d:.3f}")
+        d_t, d_c = med[("direct", cap)]
+        r1_t, r1_c = med[("router x1", cap)]
+        rn_t, rn_c = med[(paths[2], cap)]
+        print(f"[{tag}] tok/s ratio: router x1 / direct = {r1_t / d_t:.3f}, {paths[2]} / direct = {rn_t / d_t:.3f}; "
+              f"CPU per token ratio: router x1 / direct = {r1_c / d_c:.3f}, {paths[2]} / direct = {rn_c / d_c:.3f}")
 
 
 if __name__ == "__main__":
