@@ -17,6 +17,7 @@ With "keep" the reset is only attempted (it fails while frozen requests hold blo
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -30,6 +31,14 @@ from .errors import WeightSyncError
 from .transport import NamedTensors, WeightTransport
 
 logger = logging.getLogger(__name__)
+
+_ACTIVE_DIRS: set[str] = set()  # removed at exit too, should the process die mid-update
+
+
+@atexit.register
+def _remove_active_dirs() -> None:
+    for d in list(_ACTIVE_DIRS):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class SharedMemoryTransport(WeightTransport):
@@ -69,6 +78,7 @@ class SharedMemoryTransport(WeightTransport):
         if self.active:
             raise WeightSyncError(f"weight update {self._version} is still in progress")
         self._dir = tempfile.mkdtemp(prefix=f"skyrl_mega_w{version}_", dir=self.shm_root)
+        _ACTIVE_DIRS.add(self._dir)
         self._files, self._names, self._bytes = [], set(), 0
         self._version = version
         self.timings = {}
@@ -155,6 +165,7 @@ class SharedMemoryTransport(WeightTransport):
     def _cleanup(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+            _ACTIVE_DIRS.discard(self._dir)
         self._dir = None
         self._files = []
 
