@@ -18,6 +18,10 @@ import torch
 
 TRANSPORTS = {
     "shm": "skyrl_mega.rollout.cpu_transport:SharedMemoryTransport",
+    # packed buckets, skyrl_mega/weight_sync/: the engines run the vLLM weight-transfer backend
+    # "skyrl_bucket" (--weight-transfer-config '{"backend": "skyrl_bucket"}')
+    "nccl": "skyrl_mega.weight_sync.nccl:NcclBroadcastTransport",
+    "cuda_ipc": "skyrl_mega.weight_sync.cuda_ipc:CudaIpcTransport",
 }
 
 

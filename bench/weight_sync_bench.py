@@ -1,0 +1,420 @@
+"""Weight-sync benchmark: Megatron MoE trainer -> receiver, NCCL broadcast and CUDA IPC, one run.
+
+    python bench/weight_sync_bench.py --out runs/ws_bench                     # 2 GPUs (H200 x2)
+    python bench/weight_sync_bench.py --device cpu --size tiny --out /tmp/wsb  # gloo dry run
+
+Phase "nccl" (disaggregated): a Megatron trainer with EP=2 (torchrun, one rank per GPU) syncs
+to a standalone receiver (transformers model, receiver.py) on GPU1 through
+NcclBroadcastTransport: rank 0 packs buckets on GPU0 and broadcasts them over NVLink to GPU1
+while rank 1's experts are gathered toward rank 0 (the other direction of the link).
+Reported in the same run: the raw NCCL broadcast of one 4 GiB buffer (the ceiling), the
+end-to-end sync (plan check + export + EP gather + pack + broadcast + unpack into the
+receiver's weights + commit), and a tensor-by-tensor baseline (mbridge's per-tensor export,
+one collective per tensor, and one broadcast per tensor).
+Phase "ipc" (co-located): a world-size-1 trainer and the receiver share GPU0;
+CudaIpcTransport: the receiver copies straight out of the trainer's parameter buffer
+(zero-copy), the q/k/v splits go through one staging buffer. Reported next to a plain
+device-to-device copy of 4 GiB measured in the same run.
+Correctness in both phases: a verified sync (per-tensor checksums on both ends), a
+deliberately corrupted bucket that must fail, and receiver logits vs the trainer's own
+(Megatron) logits after the sync (bf16; tolerance in TOL below).
+Writes OUT/results.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+GiB = 1 << 30
+# bf16 logits of two implementations (Megatron local spec vs transformers) on identical weights
+TOL = {"cosine_min": 0.999, "rel_max": 0.05}
+
+SIZES = {
+    # ~14.7 GB bf16: 16 layers x 32 experts x (3 x 2048 x 2048), vocab 151936
+    "big": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=2048,
+                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                num_experts=32, num_experts_per_tok=4, mlp_only_layers=[], decoder_sparse_step=1,
+                max_position_embeddings=4096, tie_word_embeddings=False, norm_topk_prob=True,
+                router_aux_loss_coef=0.0, rms_norm_eps=1e-6),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=1,
+                 max_position_embeddings=1024, tie_word_embeddings=False, norm_topk_prob=True,
+                 router_aux_loss_coef=0.0, rms_norm_eps=1e-6),
+}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def fixed_ids(vocab: int, n: int = 2, seq: int = 32):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, min(vocab, 30000), (n, seq), generator=g)
+
+
+# -- receiver process ---------------------------------------------------------------------------------
+def run_receiver(a) -> None:
+    import torch
+
+    from skyrl_mega.weight_sync.receiver import WeightReceiver, load_model
+
+    class BenchReceiver(WeightReceiver):
+        def x_raw(self, nbytes: int, iters: int) -> dict:
+            buf = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+            for _ in range(int(iters)):
+                self.comm.broadcast(buf, 0).wait()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return {"iters": iters}
+
+        def x_per_tensor(self, meta: list) -> dict:
+            from skyrl_mega.weight_sync.plan import to_dtype
+
+            for name, dt, shape in meta:
+                t = torch.empty(shape, dtype=to_dtype(dt), device=self.device)
+                self.comm.broadcast(t, 0).wait()
+                key, start, n = self.targets.target(name, shape)
+                self.targets.flat(key)[start: start + n].copy_(t.view(-1))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return {"tensors": len(meta)}
+
+    if a.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(a.device))
+    model = load_model(a.model, a.dtype, a.device, random_init=True)
+    rx = BenchReceiver(model, a.device)
+    rx.serve("127.0.0.1", a.port, 0, timeout_s=a.timeout, out_dir=a.out)
+
+
+# -- trainer ranks ------------------------------------------------------------------------------------------
+def run_trainer(a) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bridges import bridge_for
+    from skyrl_mega.megatron import forward, parallel
+    from skyrl_mega.rollout.errors import WeightSyncError
+    from skyrl_mega.weight_sync import ChannelClient, CudaIpcTransport, NcclBroadcastTransport, sync_weights
+    from skyrl_mega.weight_sync.export import get_exporter
+
+    rank, world = parallel.init_distributed()
+    cuda = torch.cuda.is_available() and a.device == "cuda"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    class P:
+        tp = pp = cp = 1
+        ep = world
+        etp = None
+
+    parallel.init_model_parallel(P, seed=1234)
+    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+    bridge = bridge_for(a.model, dtype=dtype, spec="local", sequence_parallel=False)
+    t0 = time.perf_counter()
+    models = bridge.build(load_weights=False, wrap_with_ddp=True, ddp_config=dict(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        overlap_param_gather=False, average_in_collective=False))
+    res: dict = {"phase": a.phase, "world": world, "build_s": time.perf_counter() - t0,
+                 "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}
+    bucket = int(a.bucket_mb) << 20
+    out_json = os.path.join(a.out, f"{a.phase}.json")
+
+    def save():
+        if rank == 0:
+            with open(out_json, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+
+    def sync_all():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def logits():
+        ids = fixed_ids(bridge.hf_config.vocab_size)
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        mbs = [{"input_ids": ids[i: i + 1], "position_ids": pos[i: i + 1]} for i in range(ids.shape[0])]
+        with torch.no_grad():
+            got = forward.run_microbatches(models, mbs, lambda mb, out: out.detach().float().cpu(),
+                                           forward_only=True, collect_non_loss_data=True)
+        return torch.cat(got, 0) if got else None
+
+    transport, client = None, None
+    if rank == 0:
+        client = ChannelClient(1, timeout_s=a.timeout)
+        common = dict(receivers=[client], master_port=a.port, timeout_s=a.timeout, device=dev)
+        if a.phase == "nccl":
+            transport = NcclBroadcastTransport(comm_backend="nccl" if cuda else "gloo", **common)
+        else:
+            transport = CudaIpcTransport(zero_copy=cuda, **common)
+
+    def timed_sync(version, label=None):
+        dist.barrier()
+        sync_all()
+        t = time.perf_counter()
+        m = sync_weights(bridge, models, transport, version=version, bucket_bytes=bucket)
+        sync_all()
+        dt = time.perf_counter() - t
+        return dt, m
+
+    def compare(label, rx_file, ref):
+        from safetensors.torch import load_file
+
+        got = load_file(os.path.join(a.out, rx_file))["logits"].float()
+        r = ref.float().reshape(-1)
+        g = got.reshape(-1)
+        cos = torch.nn.functional.cosine_similarity(r, g, dim=0).item()
+        mx = (r - g).abs().max().item()
+        res[label] = {"max_abs": mx, "mean_abs": (r - g).abs().mean().item(), "ref_max": r.abs().max().item(),
+                      "rel": mx / max(r.abs().max().item(), 1e-12), "cosine": cos,
+                      "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+
+    try:
+        ids = fixed_ids(bridge.hf_config.vocab_size).tolist()
+        ref = logits()
+        if rank == 0:
+            client_bind_later = True  # the transport binds the channel at its first start
+        # warm-up (rendezvous, NCCL communicators, plan)
+        dt, m = timed_sync(0)
+        plan = get_exporter(bridge, models, bucket).plan()
+        res["warmup_s"] = dt
+        res["plan"] = plan.summary()
+        res["model_bytes"] = plan.total_bytes
+        if rank == 0:
+            client.call("save_logits", {"input_ids": ids, "file": "rx_after_warmup.safetensors"})
+            compare("logits_after_warmup", "rx_after_warmup.safetensors", ref)
+        save()
+        # 1) the ceiling
+        if a.phase == "nccl":
+            nb = int(a.raw_gib * GiB)
+            if rank == 0:
+                buf = torch.empty(nb, dtype=torch.uint8, device=dev)
+                th = threading.Thread(target=client.call, args=("x_raw", {"nbytes": nb, "iters": a.iters + 1}))
+                th.start()
+                transport.comm.broadcast(buf, 0).wait()
+                sync_all()
+                t = time.perf_counter()
+                for _ in range(a.iters):
+                    transport.comm.broadcast(buf, 0).wait()
+                sync_all()
+                raw = (time.perf_counter() - t) / a.iters
+                th.join()
+                res["raw_broadcast"] = {"bytes": nb, "seconds": raw, "GBps": nb / raw / 1e9}
+                del buf
+        else:
+            nb = int(a.raw_gib * GiB)
+            src = torch.empty(nb, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            sync_all()
+            t = time.perf_counter()
+            for _ in range(a.iters):
+                dst.copy_(src)
+            sync_all()
+            d2d = (time.perf_counter() - t) / a.iters
+            res["d2d_copy"] = {"bytes": nb, "seconds": d2d, "GBps": nb / d2d / 1e9,
+                               "GBps_read_plus_write": 2 * nb / d2d / 1e9}
+            del src, dst
+        save()
+        # 2) end to end
+        times = []
+        for v in range(1, a.iters + 1):
+            dt, m = timed_sync(v)
+            times.append(dt)
+            res["last_metrics"] = m
+        best, med = min(times), sorted(times)[len(times) // 2]
+        res["e2e"] = {"bytes": plan.total_bytes, "seconds": times, "best_GBps": plan.total_bytes / best / 1e9,
+                      "median_GBps": plan.total_bytes / med / 1e9}
+        save()
+        # 3) verified sync: per-tensor checksums on both ends
+        if rank == 0:
+            transport.verify = True
+        dt, m = timed_sync(100)
+        if rank == 0:
+            rep = client.call("report")[0]
+            res["verify"] = {"seconds": dt, "GBps": plan.total_bytes / dt / 1e9, "receiver": rep,
+                             "sender_digest": transport.last_digest,
+                             "match": rep["checksum"] == transport.last_digest and rep["version"] == 100}
+        # 4) a corrupted bucket must be caught (a bucket holding packed data)
+        if rank == 0:
+            target = next(b.index for b in plan.buckets
+                          if any(not (transport.layout == "ipc" and t.direct) for t in b.tensors))
+            transport.corrupt_bucket = target
+        try:
+            sync_weights(bridge, models, transport, version=101, bucket_bytes=bucket)
+            caught = None
+        except WeightSyncError as e:
+            caught = str(e)[:400]
+        if rank == 0:
+            transport.corrupt_bucket = None
+            rep = client.call("report")[0]
+            res["corrupt"] = {"bucket": target, "caught": caught is not None, "error": caught,
+                              "receiver_after": {k: rep[k] for k in ("version", "consistent")}}
+        dt, m = timed_sync(102)
+        if rank == 0:
+            transport.verify = False
+            rep = client.call("report")[0]
+            res["verify_after_corrupt"] = {"match": rep["checksum"] == transport.last_digest, "version": rep["version"]}
+        save()
+        # 5) logits after the sync
+        if rank == 0:
+            client.call("save_logits", {"input_ids": ids, "file": "rx_synced.safetensors"})
+            compare("logits_after_sync", "rx_synced.safetensors", ref)
+            lg = res["logits_after_sync"]
+            lg["pass"] = lg["cosine"] >= TOL["cosine_min"] and lg["rel"] <= TOL["rel_max"]
+            lg["tolerance"] = TOL
+        save()
+        # 6) tensor-by-tensor baseline (nccl phase): mbridge's per-tensor export + one broadcast per tensor
+        if a.phase == "nccl" and not a.skip_baseline:
+            meta = [(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in bridge.export_hf(models)]
+            th = None
+            if rank == 0:
+                th = threading.Thread(target=client.call, args=("x_per_tensor", {"meta": meta}))
+                th.start()
+            dist.barrier()
+            sync_all()
+            t = time.perf_counter()
+            for n, tens in bridge.export_hf(models):
+                if rank == 0:
+                    transport.comm.broadcast(tens.contiguous(), 0).wait()
+            sync_all()
+            if rank == 0:
+                th.join()
+            dt = time.perf_counter() - t
+            nbytes = sum(int(torch.tensor(s).prod().item()) * (2 if d == "bfloat16" else 4) for _, d, s in meta)
+            res["tensor_by_tensor"] = {"tensors": len(meta), "bytes": nbytes, "seconds": dt, "GBps": nbytes / dt / 1e9}
+            save()
+    finally:
+        if rank == 0 and transport is not None:
+            transport.close()
+        save()
+        parallel.destroy()
+
+
+# -- driver ---------------------------------------------------------------------------------------------------
+def run_phase(a, phase: str, env: dict, model_dir: str, deadline: float) -> dict:
+    port = free_port()
+    cuda = a.device == "cuda"
+    nproc = 2 if phase == "nccl" else 1
+    rx_dev = ("cuda:1" if phase == "nccl" else "cuda:0") if cuda else "cpu"
+    common = ["--model", model_dir, "--out", a.out, "--port", str(port), "--dtype", a.dtype,
+              "--timeout", str(a.timeout)]
+    rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--device", rx_dev, *common],
+                          stdout=open(os.path.join(a.out, f"{phase}_receiver.log"), "w"), stderr=subprocess.STDOUT,
+                          env=env)
+    tr_cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+              "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, "--role", "trainer",
+              "--phase", phase, "--device", a.device, "--iters", str(a.iters), "--raw-gib", str(a.raw_gib),
+              "--bucket-mb", str(a.bucket_mb), *common] + (["--skip-baseline"] if a.skip_baseline else [])
+    tr = subprocess.Popen(tr_cmd, stdout=open(os.path.join(a.out, f"{phase}_trainer.log"), "w"),
+                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        tr.wait(timeout=max(10, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        os.killpg(tr.pid, 9)
+    try:
+        rx.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        rx.kill()
+    path = os.path.join(a.out, f"{phase}.json")
+    out = json.load(open(path)) if os.path.exists(path) else {"error": "no results"}
+    out["trainer_rc"] = tr.returncode
+    if tr.returncode != 0:
+        out["trainer_log_tail"] = open(os.path.join(a.out, f"{phase}_trainer.log")).read()[-3000:]
+    return out
+
+
+def summarize(r: dict) -> str:
+    n, i = r.get("nccl", {}), r.get("ipc", {})
+    lines = ["| measurement | bytes | time | bandwidth |", "|---|---|---|---|"]
+
+    def row(label, d, key="GBps", t="seconds"):
+        if d:
+            tt = d[t] if not isinstance(d[t], list) else min(d[t])
+            lines.append(f"| {label} | {d['bytes'] / 1e9:.2f} GB | {tt * 1e3:.2f} ms | {d[key]:.1f} GB/s |")
+
+    row("NCCL broadcast, one buffer (ceiling)", n.get("raw_broadcast"))
+    row("NCCL end-to-end sync, EP=2 trainer -> receiver (best)", n.get("e2e"), "best_GBps")
+    row("tensor-by-tensor baseline (mbridge export + per-tensor broadcast)", n.get("tensor_by_tensor"))
+    row("D2D copy on one GPU (bytes copied / s)", i.get("d2d_copy"))
+    row("CUDA IPC end-to-end sync, co-located (best)", i.get("e2e"), "best_GBps")
+    if n.get("e2e") and n.get("raw_broadcast"):
+        lines.append(f"\nNCCL end-to-end / ceiling: {n['e2e']['best_GBps'] / n['raw_broadcast']['GBps']:.1%} "
+                     f"(median {n['e2e']['median_GBps'] / n['raw_broadcast']['GBps']:.1%})")
+    if n.get("e2e") and n.get("tensor_by_tensor"):
+        lines.append(f"NCCL end-to-end / tensor-by-tensor: {n['e2e']['best_GBps'] / n['tensor_by_tensor']['GBps']:.1f}x")
+    if i.get("e2e") and i.get("d2d_copy"):
+        lines.append(f"CUDA IPC end-to-end / D2D copy: {i['e2e']['best_GBps'] / i['d2d_copy']['GBps']:.1%} "
+                     f"(median {i['e2e']['median_GBps'] / i['d2d_copy']['GBps']:.1%})")
+    for ph, d in (("nccl", n), ("ipc", i)):
+        if d.get("verify"):
+            lines.append(f"{ph}: verified sync {d['verify']['GBps']:.1f} GB/s, checksums match: {d['verify']['match']}; "
+                         f"corrupted bucket caught: {d.get('corrupt', {}).get('caught')}; "
+                         f"logits after sync: {d.get('logits_after_sync')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--role", default="driver", choices=["driver", "trainer", "receiver"])
+    ap.add_argument("--phase", default="nccl", choices=["nccl", "ipc"])
+    ap.add_argument("--phases", default="nccl,ipc")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", default="big", choices=sorted(SIZES))
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default="runs/weight_sync_bench")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--raw-gib", type=float, default=4.0)
+    ap.add_argument("--bucket-mb", type=int, default=1024)
+    ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--time-limit", type=float, default=280.0, help="driver: kill everything after this")
+    ap.add_argument("--skip-baseline", action="store_true")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if a.role == "receiver":
+        return run_receiver(a)
+    if a.role == "trainer":
+        return run_trainer(a)
+    t_start = time.time()
+    model_dir = a.model or os.path.join(a.out, f"model_{a.size}")
+    if not a.model:
+        from transformers import Qwen3MoeConfig
+
+        Qwen3MoeConfig(**SIZES[a.size]).save_pretrained(model_dir)
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "4"), PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join(p for p in (env.get("PYTHONPATH"), REPO) if p))
+    results = {"date": time.strftime("%Y-%m-%d"), "size": a.size, "dtype": a.dtype, "bucket_mb": a.bucket_mb,
+               "command": " ".join(sys.argv)}
+    phases = a.phases.split(",")
+    for k, ph in enumerate(phases):
+        share = (a.time_limit - (time.time() - t_start)) / (len(phases) - k)
+        results[ph] = run_phase(a, ph, env, model_dir, time.time() + share)
+        with open(os.path.join(a.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    text = summarize(results)
+    results["summary"] = text
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(text)
+    print(f"total {time.time() - t_start:.0f}s; details in {os.path.join(a.out, 'results.json')}")
+
+
+if __name__ == "__main__":
+    main()
