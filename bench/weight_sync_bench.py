@@ -46,6 +46,12 @@ SIZES = {
                 num_experts=32, num_experts_per_tok=4, mlp_only_layers=[], decoder_sparse_step=1,
                 max_position_embeddings=4096, tie_word_embeddings=False, norm_topk_prob=True,
                 router_aux_loss_coef=0.0, rms_norm_eps=1e-6),
+    # the big model's tensor counts with tiny tensors: measures the per-sync Python overhead on CPU
+    "counts": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   num_experts=32, num_experts_per_tok=4, mlp_only_layers=[], decoder_sparse_step=1,
+                   max_position_embeddings=1024, tie_word_embeddings=False, norm_topk_prob=True,
+                   router_aux_loss_coef=0.0, rms_norm_eps=1e-6),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=1,
@@ -186,17 +192,16 @@ def run_trainer(a) -> None:
     try:
         ids = fixed_ids(bridge.hf_config.vocab_size).tolist()
         ref = logits()
-        if rank == 0:
-            client_bind_later = True  # the transport binds the channel at its first start
-        # warm-up (rendezvous, NCCL communicators, plan)
+        if rank == 0:  # rendezvous now, to see the receiver's logits before any sync
+            transport.init()
+            client.call("save_logits", {"input_ids": ids, "file": f"{a.phase}_rx_before.safetensors"})
+            compare("logits_before_sync", f"{a.phase}_rx_before.safetensors", ref)
+        # warm-up (NCCL communicators, plan)
         dt, m = timed_sync(0)
         plan = get_exporter(bridge, models, bucket).plan()
         res["warmup_s"] = dt
         res["plan"] = plan.summary()
         res["model_bytes"] = plan.total_bytes
-        if rank == 0:
-            client.call("save_logits", {"input_ids": ids, "file": "rx_after_warmup.safetensors"})
-            compare("logits_after_warmup", "rx_after_warmup.safetensors", ref)
         save()
         # 1) the ceiling
         if a.phase == "nccl":
@@ -272,8 +277,8 @@ def run_trainer(a) -> None:
         save()
         # 5) logits after the sync
         if rank == 0:
-            client.call("save_logits", {"input_ids": ids, "file": "rx_synced.safetensors"})
-            compare("logits_after_sync", "rx_synced.safetensors", ref)
+            client.call("save_logits", {"input_ids": ids, "file": f"{a.phase}_rx_synced.safetensors"})
+            compare("logits_after_sync", f"{a.phase}_rx_synced.safetensors", ref)
             lg = res["logits_after_sync"]
             lg["pass"] = lg["cosine"] >= TOL["cosine_min"] and lg["rel"] <= TOL["rel_max"]
             lg["tolerance"] = TOL

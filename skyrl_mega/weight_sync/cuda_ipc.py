@@ -30,6 +30,7 @@ from ..rollout.errors import WeightSyncError
 from . import ipc_handles
 from .base import BucketTransport
 from .checksum import buffer_checksums, digest, tensor_checksum
+from .export import direct_view
 from .plan import ALIGN, BucketPlan, BucketSpec
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class CudaIpcTransport(BucketTransport):
         self._inited = False
         self.rounds = 0
         self.last_digest: str | None = None
+        self._layout_plan = None
 
     @property
     def layout(self) -> str:
@@ -67,6 +69,7 @@ class CudaIpcTransport(BucketTransport):
             c.init(info, off)
             off += c.num_ranks()
         self._inited = True
+        self._layout_plan = None  # (re)joined receivers hold no layouts
 
     def _ensure_staging(self, plan: BucketPlan) -> None:
         need = max(self.staging_bytes or plan.bucket_bytes, max((self._nbytes(b) for b in plan.buckets), default=0))
@@ -99,11 +102,14 @@ class CudaIpcTransport(BucketTransport):
         self.init()
         self._version, self._plan = version, plan
         self._ensure_staging(plan)
+        if getattr(self, "_layout_plan", None) != plan.plan_id:
+            self._layouts: dict[int, tuple] = {}  # round -> (signature, layout id, storages)
+            self._locs: dict = {}  # (id(param), data_ptr) -> (storage key, byte offset, storage bytes)
+            self._packed_of: dict[int, list] = {}
+            self._layout_plan = plan.plan_id
         self._cursor, self._base = 0, 0
-        self._entries: list[list] = []
+        self._round_items: list[tuple] = []  # per bucket: (bucket, staging base, direct refs)
         self._sums: list[torch.Tensor] = []
-        self._direct_keys: dict[int, int] = {}
-        self._direct_whole: list[torch.Tensor] = []
         self._round = 0
         self._next = 0
         self._sent_sums: dict[int, list[int]] = {}
@@ -120,55 +126,103 @@ class CudaIpcTransport(BucketTransport):
         self._cursor += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         return self._staging[self._base: self._base + nbytes]
 
+    def _packed(self, b: BucketSpec) -> list:
+        p = self._packed_of.get(b.index)
+        if p is None:
+            ipc = self.layout == "ipc"
+            p = self._packed_of[b.index] = [t for t in b.tensors if not (ipc and t.direct)]
+        return p
+
+    def _loc(self, p: torch.Tensor):
+        key = (id(p), p.data_ptr())
+        loc = self._locs.get(key)
+        if loc is None:
+            whole, off = ipc_handles.storage_bytes(p)
+            loc = self._locs[key] = (whole.data_ptr(), off, whole)
+        return loc
+
     def send_bucket(self, b: BucketSpec, buf: torch.Tensor | None, direct=()) -> None:
         if self.fail_at_bucket is not None and b.index == self.fail_at_bucket:
             raise WeightSyncError(f"injected failure before bucket {b.index}")
         if b.index != self._next:
             raise WeightSyncError(f"bucket {b.index} sent out of order (expected {self._next})")
         base = self._base if buf is not None else 0
-        packed = [t for t in b.tensors if not (self.layout == "ipc" and t.direct)]
-        spans = []
-        for t in packed:
-            off = base + (t.offset if self.layout == "full" else t.ipc_offset)
-            self._entries.append([t.name, t.dtype, list(t.shape), 0, off, t.nbytes, t.index])
-            spans.append((off, t.nbytes))
-        if self.verify and spans:
-            self._sums.append(buffer_checksums(self._staging, spans))
-        for t, src in direct:
-            whole, off = ipc_handles.storage_bytes(src)
-            key = whole.data_ptr()
-            if key not in self._direct_keys:
-                self._direct_keys[key] = len(self._direct_whole) + 1  # handle 0 is the staging buffer
-                self._direct_whole.append(whole)
-            self._entries.append([t.name, t.dtype, list(t.shape), self._direct_keys[key], off, t.nbytes, t.index])
-            if self.verify:
-                self._sums.append(tensor_checksum(src)[None])
-        if self.corrupt_bucket is not None and b.index == self.corrupt_bucket and spans:
-            o = spans[0][0]
+        packed = self._packed(b)
+        self._round_items.append((b, base, list(direct)))
+        if self.verify:
+            full = self.layout == "full"
+            spans = [(base + (t.offset if full else t.ipc_offset), t.nbytes) for t in packed]
+            if spans:
+                self._sums.append(buffer_checksums(self._staging, spans))
+            for p, slots in direct:
+                for t, intra in slots:
+                    self._sums.append(tensor_checksum(direct_view(p, t, intra))[None])
+        if self.corrupt_bucket is not None and b.index == self.corrupt_bucket and packed:
+            o = base + (packed[0].offset if self.layout == "full" else packed[0].ipc_offset)
             self._staging[o: o + 1].bitwise_xor_(0x5A)
         self._next += 1
 
+    def _entries(self, storages: dict) -> list[list]:
+        """The round's tensor table: [name, dtype, shape, handle index, byte offset, nbytes, index]."""
+        out, full = [], self.layout == "full"
+        for b, base, refs in self._round_items:
+            for t in self._packed(b):
+                out.append([t.name, t.dtype, list(t.shape), 0, base + (t.offset if full else t.ipc_offset),
+                            t.nbytes, t.index])
+            for p, slots in refs:
+                skey, poff, whole = self._loc(p)
+                if skey not in storages:
+                    storages[skey] = (len(storages) + 1, whole)  # handle 0 is the staging buffer
+                h = storages[skey][0]
+                for t, intra in slots:
+                    out.append([t.name, t.dtype, list(t.shape), h, poff + intra, t.nbytes, t.index])
+        return out
+
     def _flush(self, last: bool) -> None:
-        if not self._entries and not last:
+        if not self._round_items and not last:
             return
         t0 = time.perf_counter()
-        handles = [ipc_handles.encode(self._staging, self._shm_path)]
-        handles += [ipc_handles.encode(w) for w in self._direct_whole]
+        # the layout (tensor table) is sent once and then named by its id, as long as the plan,
+        # the packing and the parameters' addresses are unchanged
+        sig = (self._plan.plan_id, tuple((b.index, base) for b, base, _ in self._round_items),
+               tuple(p.data_ptr() for _, _, refs in self._round_items for p, _ in refs))
+        cached = self._layouts.get(self._round)
+        entries = None
+        if cached is not None and cached[0] == sig:
+            layout_id, wholes = cached[1], cached[2]
+        else:
+            storages: dict = {}
+            entries = self._entries(storages)
+            wholes = [w for _, w in sorted(storages.values(), key=lambda x: x[0])]
+            layout_id = f"{self._plan.plan_id}.{self._round}.{self.rounds}"
+            self._layouts[self._round] = (sig, layout_id, wholes)
+        handles = [ipc_handles.encode(self._staging, self._shm_path)] + [ipc_handles.encode(w) for w in wholes]
         info: dict[str, Any] = {"mode": "ipc", "version": self._version, "round": self._round, "last": last,
-                                "verify": self.verify, "handles": handles, "tensors": self._entries}
+                                "verify": self.verify, "layout_id": layout_id, "handles": handles,
+                                "tensors": entries}
         if self.verify:
             info["checksums"] = torch.cat(self._sums).cpu().tolist() if self._sums else []
-            self._sent_sums.update({e[6]: row for e, row in zip(self._entries, info["checksums"])})
+            self._record_sent(info["checksums"])
         elif self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self._fanout(lambda c: c.update(info))
-        self._entries, self._sums = [], []
-        self._direct_keys, self._direct_whole = {}, []
+        try:
+            self._fanout(lambda c: c.update(info))
+        except BaseException:
+            self._layouts = {}  # a receiver may not hold the layout: send it in full next time
+            raise
+        self._round_items, self._sums = [], []
         self._cursor = 0
         self._round += 1
         self.rounds += 1
         self.timings["rounds"] = self._round
         self.timings["round_s"] = self.timings.get("round_s", 0.0) + time.perf_counter() - t0
+
+    def _record_sent(self, rows: list) -> None:
+        order = []
+        for b, _, refs in self._round_items:
+            order += [t.index for t in self._packed(b)]
+            order += [t.index for _, slots in refs for t, _ in slots]
+        self._sent_sums.update(zip(order, rows))
 
     def finish(self) -> dict[str, Any]:
         if self._next != len(self._plan.buckets):
@@ -183,8 +237,8 @@ class CudaIpcTransport(BucketTransport):
 
     def abort(self) -> None:
         """Rounds already delivered stay loaded: engines stay paused on their old version."""
-        self._entries, self._sums = [], []
-        self._direct_keys, self._direct_whole = {}, []
+        self._round_items, self._sums = [], []
+        self._layouts = {}
         self._leave_paused()
 
     @property

@@ -30,22 +30,24 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .plan import HEADER_BYTES, BucketPlan, BucketSpec, TensorSlot, build_plan, local_params, signature, to_dtype
+from .plan import (HEADER_BYTES, BucketPlan, BucketSpec, ParamIndex, TensorSlot, build_plan, local_params,
+                   signature, to_dtype)
 
 logger = logging.getLogger(__name__)
 
 
 def _dev_of(models) -> torch.device:
-    for _, _, t in local_params(models):
-        return t.device
+    for m in models:
+        for t in m.parameters():
+            return t.device
     return torch.device("cpu")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
+    """A tensor's bytes as a flat uint8 view (callers run under no_grad)."""
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return t.view(-1).view(torch.uint8)
 
 
 class SlotPool:
@@ -118,15 +120,27 @@ class BucketExporter:
         self._plan: BucketPlan | None = None
         self.rebuilds = 0
         self._pool: SlotPool | None = None  # for non-zero stage leaders (their bucket before the send)
+        self._direct_cache: dict = {}
+        self._flat_cache: dict = {}
+        self._index: ParamIndex | None = None
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self) -> BucketPlan:
         """The plan for this sync: verified against every rank's parameters, rebuilt if stale."""
-        sig = signature(self.models)
+        try:
+            self._params = self._index.lookup() if self._index is not None else None  # fresh tensors, by name
+        except KeyError:
+            self._params = None
+        if self._params is None:
+            self._index = ParamIndex(self.models)
+            self._params = self._index.lookup()
+        sig = signature(self.models, self._params)
         stale = torch.tensor([int(self._plan is None or self._plan.signature != sig)], device=_dev_of(self.models))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stale, op=dist.ReduceOp.MAX)
         if int(stale.item()):
+            self._index = ParamIndex(self.models)  # a full traversal whenever anything changed
+            self._params = self._index.lookup()
             self._plan = build_plan(self.bridge, self.models, self.bucket_bytes)
             self.rebuilds += 1
             if self._pool is not None:
@@ -138,14 +152,17 @@ class BucketExporter:
                      layout: str = "full", plan: BucketPlan | None = None
                      ) -> Iterator[tuple[BucketSpec, torch.Tensor | None, list[tuple[TensorSlot, torch.Tensor]]]]:
         """Every rank calls. layout "full": every tensor packed at `offset` (broadcast transports);
-        "ipc": direct tensors are returned as views of the sender's parameters, the rest packed at
+        "ipc": direct tensors stay in the sender's parameters and come back as
+        (parameter, [(TensorSlot, byte offset in the parameter), ...]); the rest is packed at
         `ipc_offset`. `acquire(bucket, nbytes)` gives rank 0 its destination buffer."""
         from megatron.core import parallel_state as mpu
 
         if layout not in ("full", "ipc"):
             raise ValueError(f"layout must be 'full' or 'ipc', got {layout!r}")
-        plan = plan or self.plan()
-        params = {(vpp, name): t for vpp, name, t in local_params(self.models)}
+        if plan is None or getattr(self, "_params", None) is None:
+            plan = self.plan()
+        params = {(vpp, name): t for vpp, name, t in self._params}
+        self._params = None  # the next iteration looks the tensors up again
         rank = dist.get_rank() if dist.is_initialized() else 0
         dev = _dev_of(self.models)
         ctx = _Ctx(
@@ -190,9 +207,10 @@ class BucketExporter:
                 yield b, (dest if rank == 0 else None), direct
 
     @staticmethod
-    def _place(t: TensorSlot, src: torch.Tensor, dest, layout, direct) -> None:
+    def _place(t: TensorSlot, src: torch.Tensor, dest, layout, direct, param=None) -> None:
         if layout == "ipc" and t.direct:
-            direct.append((t, src))
+            intra = (src.storage_offset() - param.storage_offset()) * src.element_size()
+            direct.append((param, [(t, intra)]))
             return
         off = t.offset if layout == "full" else t.ipc_offset
         t.view(dest, off).copy_(src)
@@ -231,31 +249,39 @@ class BucketExporter:
                 full = p.detach()
             _, outs = self.impl._weight_to_hf_format(u.global_name, full)
             for pos, si in u.slots:
-                self._place(b.tensors[si], outs[pos], dest, layout, direct)
+                self._place(b.tensors[si], outs[pos], dest, layout, direct, p)
 
     def _experts(self, b: BucketSpec, ctx, params, leader, dest, layout, direct) -> None:
         if not ctx.expert_part:
             return
         g = b.experts
-        local = [params[(g.vpp, p.local_name)].detach() for p in g.params]
+        local = [params[(g.vpp, p.local_name)] for p in g.params]
         members = len(b.experts.slots)
         ranks = dist.get_process_group_ranks(ctx.expert_group) if members > 1 else [leader]
         if members == 1 and layout == "ipc" and all(t.direct for t in b.tensors):
-            # no gather, nothing packed: the sender's own experts are the HF tensors
-            for p, t, idx in zip(g.params, local, g.slots[0]):
-                _, outs = self.impl._weight_to_hf_format(self._global(p, 0, b), t)
-                for si, o in zip(idx, outs):
-                    direct.append((b.tensors[si], o))
+            # no gather, nothing packed: the sender's own experts are the HF tensors, at byte
+            # offsets the plan already knows (no per-tensor conversion call)
+            cache = self._direct_cache.get(b.index)
+            if cache is None or cache[0] is not self._plan:
+                cache = self._direct_cache[b.index] = (self._plan, [
+                    [(b.tensors[si], b.tensors[si].offset - HEADER_BYTES - p.offset) for si in idx]
+                    for p, idx in zip(g.params, g.slots[0])])
+            direct.extend(zip(local, cache[1]))
             return
         if g.in_place:
+            flats = self._flats(b.index, local)
             rows = None
             if ctx.rank == leader:
                 rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
                         for m in range(members)]
                 send = rows[ranks.index(leader)]
-                torch.cat([_bytes(t) for t in local], out=send)
+                if flats[0].dtype == torch.uint8:
+                    torch.cat(flats, out=send)
+                else:
+                    torch.cat(flats, out=send.view(flats[0].dtype))
             else:
-                send = torch.cat([_bytes(t) for t in local])
+                send = torch.cat(flats)
+                send = send.view(torch.uint8)
             if members > 1:
                 _gather_rows(send, rows, leader, ranks, ctx.expert_group)
             return
@@ -286,6 +312,15 @@ class BucketExporter:
                 for si, o in zip(g.slots[mem[0]][pi], outs):
                     self._place(b.tensors[si], o, dest, layout, direct)
 
+    def _flats(self, key, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Flat views of one layer's local experts (rebuilt only when a tensor moved)."""
+        ptrs = tuple(t.data_ptr() for t in local)
+        c = self._flat_cache.get(key)
+        if c is None or c[0] != ptrs:
+            same = len({t.dtype for t in local}) == 1
+            c = self._flat_cache[key] = (ptrs, [t.view(-1) if same else _bytes(t) for t in local])
+        return c[1]
+
     def _global(self, p, ep_rank: int, b: BucketSpec) -> str:
         from .plan import _EXPERT
 
@@ -299,9 +334,13 @@ class _Ctx:
         self.__dict__.update(kw)
 
 
+def direct_view(param: torch.Tensor, t: TensorSlot, intra: int) -> torch.Tensor:
+    return _bytes(param)[intra: intra + t.nbytes].view(to_dtype(t.dtype)).view(t.shape)
+
+
 def bucket_tensors(b: BucketSpec, buf: torch.Tensor | None, direct, layout: str = "full"):
     """(name, tensor) of one exported bucket: views into `buf` plus the direct tensors."""
-    out = [(t.name, src) for t, src in direct]
+    out = [(t.name, direct_view(p, t, intra)) for p, slots in direct for t, intra in slots]
     if buf is not None:
         for t in b.tensors:
             if layout == "ipc" and t.direct:

@@ -17,9 +17,6 @@ import tempfile
 
 import torch
 
-_OPENED: dict[str, torch.Tensor] = {}
-
-
 def storage_bytes(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(uint8 tensor over t's whole storage, byte offset of t in it)."""
     st = t.untyped_storage()
@@ -46,22 +43,25 @@ def encode(whole: torch.Tensor, shm_path: str | None = None) -> dict:
     return {"kind": "shm", "path": shm_path, "nbytes": whole.numel()}
 
 
+def handle_key(h: dict):
+    """Identity of the shared memory behind a handle (the same allocation gives the same key,
+    although every encode() of it carries a fresh event and reference counter)."""
+    if h["kind"] == "cuda":
+        k = h.get("_key")
+        if k is None:
+            _, args = pickle.loads(base64.b64decode(h["pickle"]))
+            k = h["_key"] = ("cuda", bytes(args[7]), int(args[8]), int(args[9]))
+        return k
+    return ("shm", h["path"], int(h["nbytes"]))
+
+
 def decode(h: dict, device: torch.device | None = None) -> torch.Tensor:
-    key = h.get("pickle") or h["path"]
-    t = _OPENED.get(key)
-    if t is not None:
-        return t
+    """Opens a handle. Callers cache the result by handle_key(h): a second open of the same
+    allocation is what torch's IPC cache would return anyway."""
     if h["kind"] == "cuda":
         func, args = pickle.loads(base64.b64decode(h["pickle"]))
         args = list(args)
         if device is not None and device.type == "cuda":
             args[6] = device.index  # the consumer's ordinal of the same GPU
-        t = func(*args)
-    else:
-        t = torch.from_file(h["path"], shared=True, size=int(h["nbytes"]), dtype=torch.uint8)
-    _OPENED[key] = t
-    return t
-
-
-def close_all() -> None:
-    _OPENED.clear()
+        return func(*args)
+    return torch.from_file(h["path"], shared=True, size=int(h["nbytes"]), dtype=torch.uint8)

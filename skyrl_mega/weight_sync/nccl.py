@@ -28,7 +28,8 @@ from .base import BucketTransport
 from .checksum import buffer_checksums, digest
 from .export import SlotPool
 from .plan import BucketPlan, BucketSpec
-from .protocol import END, OK, STATUS_ABORT, STATUS_DATA, Communicator, plan_key, version_id, write_header
+from .protocol import (END, MAGIC, OK, PROTO, STATUS_ABORT, STATUS_DATA, Communicator, plan_key, version_id,
+                       write_header)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class NcclBroadcastTransport(BucketTransport):
         self._data_done = False
         self._cs = None
         self.last_digest: str | None = None
+        self._sent_plan: str | None = None  # plan_id the receivers hold (sent once, reused)
 
     @property
     def world_size(self) -> int:
@@ -85,6 +87,7 @@ class NcclBroadcastTransport(BucketTransport):
                 self.comm = None
                 raise WeightSyncError(f"transfer group init failed: {errs}")
         self.pool = SlotPool(self.device, n=self.num_slots)
+        self._sent_plan = None
         self.timings["init_s"] = time.perf_counter() - t0
 
     # -- one update ------------------------------------------------------------------------------------
@@ -102,7 +105,14 @@ class NcclBroadcastTransport(BucketTransport):
         self._fanout(lambda c: c.start())
         self._cs = (torch.zeros(plan.num_tensors, 2, dtype=torch.int64, device=self.device)
                     if self.verify else None)
-        info = {"version": version, "verify": self.verify, "plan": plan.wire()}
+        # all headers in one host->device copy (a per-bucket copy from pageable memory would
+        # stall the CPU on the stream and break the pipelining)
+        self._headers = torch.tensor([[MAGIC, PROTO, self._vid, b.index, STATUS_DATA, b.nbytes, self._pkey, 0]
+                                      for b in plan.buckets], dtype=torch.int64).to(self.device)
+        info = {"version": version, "verify": self.verify, "plan_id": plan.plan_id,
+                "sizes": [b.nbytes for b in plan.buckets], "num_tensors": plan.num_tensors,
+                "plan": plan.wire() if self._sent_plan != plan.plan_id else None}
+        self._sent_plan = plan.plan_id
         self._touched = True
         self._futs = [self._exe.submit(c.update, info) for c in self.clients]
         self._t_start = time.perf_counter()
@@ -123,7 +133,7 @@ class NcclBroadcastTransport(BucketTransport):
         if self.fail_at_bucket is not None and b.index == self.fail_at_bucket:
             raise WeightSyncError(f"injected failure before bucket {b.index}")
         self._check_receivers()
-        write_header(buf, self._vid, b.index, STATUS_DATA, b.nbytes, self._pkey)
+        buf[:64].view(torch.int64).copy_(self._headers[b.index])
         if self._cs is not None and b.tensors:
             first = b.tensors[0].index
             self._cs[first: first + len(b.tensors)] = buffer_checksums(buf, [(t.offset, t.nbytes) for t in b.tensors])
@@ -160,6 +170,7 @@ class NcclBroadcastTransport(BucketTransport):
         self.timings["trailer_s"] = time.perf_counter() - t0
         bad = {r: STATUS_NAMES.get(s, s) for r, s in enumerate(st) if s != OK}
         if bad or errs:
+            self._sent_plan = None  # resend the plan next time (a receiver may have lost it)
             self._leave_paused()
             raise WeightSyncError(f"update {version} failed (engines stay paused on their previous version): "
                                   f"receiver ranks {bad}; {errs}")
@@ -192,6 +203,7 @@ class NcclBroadcastTransport(BucketTransport):
                     logger.info("receiver after abort: %s", e)
         self._futs = []
         self._data_done = True
+        self._sent_plan = None
         self._leave_paused()
 
     def close(self) -> None:

@@ -138,7 +138,7 @@ class BucketSpec:
 class BucketPlan:
     buckets: list[BucketSpec]
     bucket_bytes: int
-    signature: str
+    signature: tuple
     leaders: list[int]  # global rank that assembles each pipeline stage's buckets
     ep_members: list[tuple[int, int]]  # (ep_rank, etp_rank) of each member of this rank's expert gather group
     plan_id: str = ""
@@ -160,8 +160,12 @@ class BucketPlan:
 
     def wire(self) -> dict:
         """What receivers need: per bucket, its size and its tensors (name, dtype, shape, offset, nbytes)."""
-        return {"plan_id": self.plan_id, "num_tensors": self.num_tensors,
-                "buckets": [b.wire() for b in self.buckets]}
+        w = getattr(self, "_wire", None)
+        if w is None or w.get("plan_id") != self.plan_id:
+            w = {"plan_id": self.plan_id, "num_tensors": self.num_tensors,
+                 "buckets": [b.wire() for b in self.buckets]}
+            self._wire = w
+        return w
 
     def summary(self) -> dict:
         return {"plan_id": self.plan_id, "buckets": len(self.buckets), "tensors": self.num_tensors,
@@ -199,12 +203,46 @@ def local_params(models) -> list[tuple[int, str, torch.Tensor]]:
     return out
 
 
-def signature(models) -> str:
+class ParamIndex:
+    """Where every exported tensor lives: (vpp, name, owning module, attribute, is buffer).
+
+    Built with one full module traversal; afterwards `lookup()` re-reads every tensor by name
+    from its owner (a dict lookup each), so a parameter whose tensor was replaced
+    (`p.data = ...`, a new nn.Parameter) is seen on the next sync without walking the module
+    tree again."""
+
+    def __init__(self, models):
+        self.entries = []
+        for vpp, m in enumerate(unwrap(models)):
+            mods = dict(m.named_modules())
+            for name, _t in local_params_of(vpp, m):
+                owner, _, attr = name.rpartition(".")
+                mod = mods[owner] if owner else m
+                self.entries.append((vpp, name, mod, attr, attr not in mod._parameters))
+
+    def lookup(self) -> list[tuple[int, str, torch.Tensor]]:
+        out = []
+        for vpp, name, mod, attr, buf in self.entries:
+            t = (mod._buffers if buf else mod._parameters).get(attr)
+            if t is None:
+                raise KeyError(name)
+            out.append((vpp, name, t))
+        return out
+
+
+def local_params_of(vpp, m):
+    seen = set()
+    for name, p in m.named_parameters():
+        seen.add(name)
+        yield name, p
+    for name, b in m.named_buffers():
+        if "expert_bias" in name and name not in seen and "_extra_state" not in name:
+            yield name, b
+
+
+def signature(models, params=None) -> tuple:
     """Names, shapes and dtypes of this rank's exported tensors (a change means: rebuild the plan)."""
-    h = hashlib.sha256()
-    for vpp, name, t in local_params(models):
-        h.update(f"{vpp}|{name}|{tuple(t.shape)}|{t.dtype};".encode())
-    return h.hexdigest()[:16]
+    return tuple((vpp, name, t.shape, t.dtype) for vpp, name, t in (params or local_params(models)))
 
 
 # -- planning -------------------------------------------------------------------------------------

@@ -9,8 +9,13 @@ TCPStore channel of a standalone receiver):
 
 init_info  = {"mode": "broadcast", "comm_backend": "nccl"|"gloo", "master_address",
               "master_port", "rank_offset", "world_size", "timeout_s"}
-update_info = {"version", "verify": bool, "plan": {"plan_id", "num_tensors",
-               "buckets": [{"nbytes", "kind", "tensors": [[name, dtype, shape, offset, nbytes]]}]}}
+update_info = {"version", "verify": bool, "plan_id", "sizes": [bucket nbytes], "num_tensors",
+               "plan": {"plan_id", "num_tensors", "buckets": [{"nbytes", "kind",
+                        "tensors": [[name, dtype, shape, offset, nbytes]]}]} | None}
+              The full plan travels only when the receivers have not seen that plan_id yet
+              (receivers cache it; names, dtypes, shapes and offsets are reused while the model
+              shape is unchanged); "sizes" always travels, so that a receiver that lost the
+              plan can still drain the sync and report the failure instead of hanging.
 
 Data plane, in one process group spanning the trainer sender (rank 0) and every receiver:
     for each bucket k:  broadcast uint8[nbytes_k] from rank 0
@@ -119,10 +124,13 @@ class Communicator:
 # -- unpacking -------------------------------------------------------------------------------------
 class CopyPlan:
     """Byte-range copies from received buffers into destination tensors, merged where both the
-    source and the destination ranges are back to back (one layer's experts -> a few copies)."""
+    source and the destination ranges are back to back (one layer's experts -> a few copies).
+    The source/destination views are built once per set of source buffers and reused, so a
+    sync costs one _foreach_copy_ call per bucket, not Python work per tensor."""
 
     def __init__(self):
-        self.runs: list[list] = []  # [src_key, src_off, dst_tensor(flat), dst_start, numel, dtype, [slot idx..], size]
+        self.runs: list[list] = []  # [src_key, src_off, dst_flat, dst_start, numel, dtype, [(slot, nbytes)..]]
+        self._bound: tuple | None = None
 
     def add(self, src_key, src_off: int, dtype: torch.dtype, dst_flat: torch.Tensor, dst_start: int, numel: int,
             slot: int) -> None:
@@ -136,12 +144,19 @@ class CopyPlan:
                 return
         self.runs.append([src_key, src_off, dst_flat, dst_start, numel, dtype, [(slot, nbytes)]])
 
-    def execute(self, sources: dict[Any, torch.Tensor]) -> None:
+    def bind(self, sources: dict[Any, torch.Tensor]) -> tuple[list, list]:
+        key = tuple((k, v.data_ptr(), v.numel()) for k, v in sources.items())
+        if self._bound is not None and self._bound[0] == key:
+            return self._bound[1], self._bound[2]
         dsts, srcs = [], []
-        for key, off, dst, start, n, dt, _ in self.runs:
-            src = sources[key][off: off + n * dt.itemsize].view(dt)
+        for k, off, dst, start, n, dt, _ in self.runs:
+            srcs.append(sources[k][off: off + n * dt.itemsize].view(dt))
             dsts.append(dst[start: start + n])
-            srcs.append(src)
+        self._bound = (key, dsts, srcs)
+        return dsts, srcs
+
+    def execute(self, sources: dict[Any, torch.Tensor]) -> None:
+        dsts, srcs = self.bind(sources)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
@@ -166,6 +181,22 @@ class CopyPlan:
 
 
 # -- the receive loop -------------------------------------------------------------------------------
+class ParsedPlan:
+    def __init__(self, wire: dict):
+        self.plan_id, self.buckets = plan_from_wire(wire)
+        self.sizes = [b["nbytes"] for b in wire["buckets"]]
+        self.num_tensors = int(wire["num_tensors"])
+        self.names = [t.name for b in self.buckets for t in b]
+
+
+def resolve_plan(update_info: dict, cache: dict) -> ParsedPlan | None:
+    """The plan of this update: the one it carries (then cached) or a cached one; None if unknown."""
+    wire = update_info.get("plan")
+    pid = update_info.get("plan_id") or (wire or {}).get("plan_id")
+    if wire is not None and pid not in cache:
+        cache.clear()  # one live plan per receiver
+        cache[pid] = ParsedPlan(wire)
+    return cache.get(pid)
 class ReceiveSink:
     """What a receiver does with each bucket (vLLM engine: load_weights; receiver: copy)."""
 
@@ -178,18 +209,27 @@ class ReceiveSink:
         raise NotImplementedError
 
 
-def receive_sync(comm: Communicator, update_info: dict, sink: ReceiveSink) -> dict:
+def receive_sync(comm: Communicator, update_info: dict, sink: ReceiveSink, plans: dict) -> dict:
     """Receiver side of one sync (see the module doc). Raises WeightSyncError on abort, mismatch
-    or a load failure (after draining the sync so that no peer hangs)."""
+    or a load failure (after draining the sync so that no peer hangs). `plans`: this
+    receiver's plan cache."""
     version = update_info["version"]
     verify = bool(update_info.get("verify", False))
-    plan = update_info["plan"]
-    plan_id, buckets = plan_from_wire(plan)
-    sizes = [b["nbytes"] for b in plan["buckets"]]
-    n, T = len(buckets), int(plan["num_tensors"])
+    parsed = resolve_plan(update_info, plans)
+    error: BaseException | None = None
+    if parsed is None:
+        error = WeightSyncError(f"unknown plan {update_info.get('plan_id')} (the trainer resends it next sync)")
+        plan_id = update_info.get("plan_id", "")
+        sizes = list(update_info["sizes"])
+        buckets = [[] for _ in sizes]
+        T = int(update_info["num_tensors"])
+    else:
+        plan_id, buckets, sizes, T = parsed.plan_id, parsed.buckets, parsed.sizes, parsed.num_tensors
+    n = len(sizes)
     vid, pkey = version_id(version), plan_key(plan_id)
     dev = comm.device
     sink.verify = verify
+    sink.plan_id = plan_id
     cs = torch.zeros(T, 2, dtype=torch.int64, device=dev) if verify else None
     bufs: list = [None] * n
     works: list = [None] * n
@@ -198,7 +238,6 @@ def receive_sync(comm: Communicator, update_info: dict, sink: ReceiveSink) -> di
         bufs[k] = sink.buffer(k, sizes[k])
         works[k] = comm.broadcast(bufs[k], 0)
 
-    error: BaseException | None = None
     aborted_at = None
     if n:
         post(0)
@@ -242,8 +281,7 @@ def receive_sync(comm: Communicator, update_info: dict, sink: ReceiveSink) -> di
     if verify and error is None:
         expected = tr[2:].view(T, 2)
         diff = (expected != cs.cpu()).any(1).nonzero().flatten().tolist()
-        names = [t.name for b in buckets for t in b]
-        bad = [names[i] for i in diff]
+        bad = [parsed.names[i] for i in diff]
     status = torch.zeros(comm.world_size, dtype=torch.int64, device=dev)
     status[comm.rank] = LOAD_FAILED if error is not None else (MISMATCH if bad else OK)
     comm.all_reduce_sum(status)
@@ -253,7 +291,7 @@ def receive_sync(comm: Communicator, update_info: dict, sink: ReceiveSink) -> di
         raise WeightSyncError(f"update {version}: checksum mismatch on receiver rank {comm.rank} for "
                               f"{len(bad)} tensor(s), e.g. {bad[:3]}")
     return {"version": version, "num_tensors": T, "buckets": n, "plan_id": plan_id,
-            "checksums": cs if verify else None}
+            "checksums": cs if verify else None, "names": parsed.names}
 
 
 __all__ = ["Communicator", "CopyPlan", "ReceiveSink", "WeightSyncAborted", "receive_sync", "version_id",

@@ -95,7 +95,7 @@ class _BroadcastSink(ReceiveSink):
         return self.rx._slot(index % 2, nbytes)
 
     def load(self, index, slots: list[TensorSlot], buf):
-        cp = self.rx._copy_plan(("b", index), slots, "buf")
+        cp = self.rx._copy_plan((self.plan_id, index), slots, "buf")
         cp.execute({"buf": buf})
         if not self.verify:
             return None
@@ -120,7 +120,10 @@ class WeightReceiver:
         self.last_error: str | None = None
         self.checksums: dict[int, tuple[str, list[int]]] = {}  # plan index -> (name, checksum) of the last sync
         self._slots: list[torch.Tensor | None] = [None, None]
-        self._plans: dict = {}
+        self._plans: dict = {}  # (plan_id, bucket) -> CopyPlan
+        self._wire_plans: dict = {}  # plan_id -> ParsedPlan
+        self._ipc_open: dict = {}  # IPC memory handle -> opened buffer (kept across syncs)
+        self._ipc_layouts: dict = {}  # layout_id -> (CopyPlan, [(index, name)])
         self.timings: dict[str, float] = {}
 
     # -- the four calls ------------------------------------------------------------------------------
@@ -144,11 +147,11 @@ class WeightReceiver:
         self.pending = update_info["version"]
         try:
             if self.mode == "broadcast":
-                rep = receive_sync(self.comm, update_info, _BroadcastSink(self))
-                if rep.get("checksums") is not None:
-                    self._record_checksums(update_info["plan"], rep.pop("checksums"))
-                else:
-                    rep.pop("checksums", None)
+                rep = receive_sync(self.comm, update_info, _BroadcastSink(self), self._wire_plans)
+                names = rep.pop("names")
+                cs = rep.pop("checksums")
+                if cs is not None:
+                    self.checksums = {i: (n, r) for i, (n, r) in enumerate(zip(names, cs.cpu().tolist()))}
             else:
                 rep = self._ipc_round(update_info)
         except BaseException as e:
@@ -188,29 +191,46 @@ class WeightReceiver:
         return b[:nbytes]
 
     def _copy_plan(self, key, slots: list[TensorSlot], src_key) -> CopyPlan:
+        """The cached copies of one bucket of one plan (built once per plan)."""
         cp = self._plans.get(key)
-        sig = tuple((t.name, t.offset, t.nbytes) for t in slots)
-        if cp is not None and cp[0] == sig:
-            return cp[1]
+        if cp is not None:
+            return cp
+        if any(k[0] != key[0] for k in self._plans):
+            self._plans.clear()  # a new plan: drop the old one's copies
         plan = CopyPlan()
         for t in sorted(slots, key=lambda s: s.offset):
             pkey, start, n = self.targets.target(t.name, t.shape)
             plan.add(src_key, t.offset, to_dtype(t.dtype), self.targets.flat(pkey), start, n, t.index)
-        self._plans[key] = (sig, plan)
+        self._plans[key] = plan
         return plan
 
-    def _record_checksums(self, plan: dict, cs: torch.Tensor) -> None:
-        names = [t[0] for b in plan["buckets"] for t in b["tensors"]]
-        self.checksums = {i: (n, r) for i, (n, r) in enumerate(zip(names, cs.cpu().tolist()))}
-
     def _ipc_round(self, info: dict) -> dict:
-        sources = {i: ipc_handles.decode(h, self.device) for i, h in enumerate(info["handles"])}
-        cp = CopyPlan()
-        slots = []
-        for name, dt, shape, h, off, nbytes, index in info["tensors"]:
-            pkey, start, n = self.targets.target(name, shape)
-            cp.add(h, off, to_dtype(dt), self.targets.flat(pkey), start, n, index)
-            slots.append((index, name))
+        """One IPC round: open the trainer's buffers (cached per memory handle), copy, verify."""
+        sources = {}
+        for i, h in enumerate(info["handles"]):
+            key = ipc_handles.handle_key(h)
+            t = self._ipc_open.get(key)
+            if t is None:
+                t = self._ipc_open[key] = ipc_handles.decode(h, self.device)
+            sources[i] = t
+        lid = info.get("layout_id")
+        if info.get("tensors") is not None:
+            cp, slots = CopyPlan(), []
+            for name, dt, shape, h, off, nbytes, index in info["tensors"]:
+                pkey, start, n = self.targets.target(name, shape)
+                cp.add(h, off, to_dtype(dt), self.targets.flat(pkey), start, n, index)
+                slots.append((index, name))
+            if lid is not None:
+                if len(self._ipc_layouts) > 64:
+                    self._ipc_layouts.clear()
+                self._ipc_layouts[lid] = (cp, slots)
+        elif lid in self._ipc_layouts:
+            cp, slots = self._ipc_layouts[lid]
+        else:
+            raise WeightSyncError(f"unknown IPC layout {lid} (the trainer resends it next sync)")
+        if len(self._ipc_open) > 4 * max(1, len(sources)) + 8:  # buffers the trainer no longer uses
+            live = {ipc_handles.handle_key(h) for h in info["handles"]}
+            self._ipc_open = {k: v for k, v in self._ipc_open.items() if k in live}
         cp.execute(sources)
         got = None
         if info.get("verify"):
@@ -276,6 +296,8 @@ class WeightReceiver:
                     reply["result"] = self.finish_weight_update(args.get("weight_version"))
                 elif method == "report":
                     reply["result"] = self.report()
+                elif method.startswith("x_") and callable(getattr(self, method, None)):
+                    reply["result"] = getattr(self, method)(**args)  # extensions (benchmarks)
                 elif method == "save_logits":
                     path = os.path.join(out_dir or ".", args["file"])
                     from safetensors.torch import save_file

@@ -57,11 +57,15 @@ class SkyrlBucketUpdateInfo(WeightTransferUpdateInfo):
     version: Any = None
     verify: bool = False
     plan: dict | None = None
+    plan_id: str | None = None
+    sizes: list | None = None
+    num_tensors: int = 0
     mode: str = "broadcast"
     round: int = 0
     last: bool = True
+    layout_id: str | None = None
     handles: list = field(default_factory=list)
-    tensors: list = field(default_factory=list)
+    tensors: list | None = None
     checksums: list | None = None
 
 
@@ -91,6 +95,9 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         self.comm: Communicator | None = None
         self.mode = "broadcast"
         self.last: dict = {}
+        self._plans: dict = {}  # plan_id -> ParsedPlan
+        self._ipc_layouts: dict = {}  # layout_id -> tensor entries
+        self._ipc_open: dict = {}
 
     def init_transfer_engine(self, init_info: SkyrlBucketInitInfo) -> None:
         self.mode = init_info.mode
@@ -137,18 +144,32 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         if self.comm is None:
             raise RuntimeError("skyrl_bucket: init_weight_transfer_engine was not called")
         sink = _LoadSink(self)
-        payload = {"version": info.version, "verify": info.verify, "plan": info.plan}
-        rep = receive_sync(self.comm, payload, sink)
+        payload = {"version": info.version, "verify": info.verify, "plan": info.plan, "plan_id": info.plan_id,
+                   "sizes": info.sizes, "num_tensors": info.num_tensors}
+        rep = receive_sync(self.comm, payload, sink, self._plans)
         rep.pop("checksums", None)
+        rep.pop("names", None)
         self.last = rep
 
     def _receive_ipc(self, info: SkyrlBucketUpdateInfo) -> None:
         from ..rollout.errors import WeightSyncError
         from .checksum import tensor_checksum
 
-        sources = [ipc_handles.decode(h, self.device) for h in info.handles]
+        sources = []
+        for h in info.handles:
+            key = ipc_handles.handle_key(h)
+            if key not in self._ipc_open:
+                self._ipc_open[key] = ipc_handles.decode(h, self.device)
+            sources.append(self._ipc_open[key])
+        entries = info.tensors
+        if entries is not None and info.layout_id is not None:
+            self._ipc_layouts[info.layout_id] = entries
+        elif entries is None:
+            entries = self._ipc_layouts.get(info.layout_id)
+            if entries is None:
+                raise WeightSyncError(f"unknown IPC layout {info.layout_id} (the trainer resends it next sync)")
         weights, sums = [], []
-        for name, dt, shape, h, off, nbytes, _ in info.tensors:
+        for name, dt, shape, h, off, nbytes, _ in entries:
             t = sources[h][off: off + nbytes].view(to_dtype(dt)).view(shape).clone()
             if info.verify:
                 sums.append(tensor_checksum(t))
@@ -161,7 +182,6 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
                 raise WeightSyncError(f"update {info.version}: checksum mismatch over CUDA IPC for {bad[:3]}")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        del sources
         self.model.load_weights(weights=weights)
 
     def shutdown(self) -> None:
