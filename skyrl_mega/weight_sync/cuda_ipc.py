@@ -63,7 +63,7 @@ class CudaIpcTransport(BucketTransport):
         self._open_store()
         info = {"mode": "ipc", "device": str(self.device)}
         if self.device.type == "cuda":
-            info["device_uuid"] = str(torch.cuda.get_device_properties(self.device).uuid)
+            info["device_uuid"] = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", ""))
         off = 0
         for c in self.clients:
             c.init(info, off)
