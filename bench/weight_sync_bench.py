@@ -131,7 +131,11 @@ def run_trainer(a) -> None:
 
     parallel.init_model_parallel(P, seed=1234)
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    bridge = bridge_for(a.model, dtype=dtype, spec="local", sequence_parallel=False)
+    from bridges.interface import CPU_CONFIG
+
+    # no apex / transformer-engine kernels on the lent machines: every fusion off
+    no_fusions = {k: v for k, v in CPU_CONFIG.items() if k != "use_cpu_initialization"}
+    bridge = bridge_for(a.model, dtype=dtype, spec="local", sequence_parallel=False, **no_fusions)
     t0 = time.perf_counter()
     models = bridge.build(load_weights=False, wrap_with_ddp=True, ddp_config=dict(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -189,23 +193,38 @@ def run_trainer(a) -> None:
                       "rel": mx / max(r.abs().max().item(), 1e-12), "cosine": cos,
                       "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
 
-    try:
-        ids = fixed_ids(bridge.hf_config.vocab_size).tolist()
-        ref = logits()
+    import traceback
+
+    res["errors"] = {}
+
+    def section(name, fn):
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            res["errors"][name] = traceback.format_exc()[-2500:]
+            print(f"[bench] {name} FAILED:\n{res['errors'][name]}", flush=True)
+        print(f"[bench] rank {rank} {name} {time.perf_counter() - t:.2f}s", flush=True)
+        save()
+
+    ids = fixed_ids(bridge.hf_config.vocab_size).tolist()
+    st: dict = {}
+
+    def s_init():
         if rank == 0:  # rendezvous now, to see the receiver's logits before any sync
             transport.init()
             client.call("save_logits", {"input_ids": ids, "file": f"{a.phase}_rx_before.safetensors"})
-            compare("logits_before_sync", f"{a.phase}_rx_before.safetensors", ref)
-        # warm-up (NCCL communicators, plan)
-        dt, m = timed_sync(0)
-        plan = get_exporter(bridge, models, bucket).plan()
+
+    def s_warmup():
+        dt, _ = timed_sync(0)  # NCCL communicators, plan
+        st["plan"] = plan = get_exporter(bridge, models, bucket).plan()
         res["warmup_s"] = dt
         res["plan"] = plan.summary()
         res["model_bytes"] = plan.total_bytes
-        save()
-        # 1) the ceiling
+
+    def s_ceiling():
+        nb = int(a.raw_gib * GiB)
         if a.phase == "nccl":
-            nb = int(a.raw_gib * GiB)
             if rank == 0:
                 buf = torch.empty(nb, dtype=torch.uint8, device=dev)
                 th = threading.Thread(target=client.call, args=("x_raw", {"nbytes": nb, "iters": a.iters + 1}))
@@ -219,9 +238,7 @@ def run_trainer(a) -> None:
                 raw = (time.perf_counter() - t) / a.iters
                 th.join()
                 res["raw_broadcast"] = {"bytes": nb, "seconds": raw, "GBps": nb / raw / 1e9}
-                del buf
         else:
-            nb = int(a.raw_gib * GiB)
             src = torch.empty(nb, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
             dst.copy_(src)
@@ -233,9 +250,9 @@ def run_trainer(a) -> None:
             d2d = (time.perf_counter() - t) / a.iters
             res["d2d_copy"] = {"bytes": nb, "seconds": d2d, "GBps": nb / d2d / 1e9,
                                "GBps_read_plus_write": 2 * nb / d2d / 1e9}
-            del src, dst
-        save()
-        # 2) end to end
+
+    def s_e2e():
+        plan = st["plan"]
         times = []
         for v in range(1, a.iters + 1):
             dt, m = timed_sync(v)
@@ -244,18 +261,27 @@ def run_trainer(a) -> None:
         best, med = min(times), sorted(times)[len(times) // 2]
         res["e2e"] = {"bytes": plan.total_bytes, "seconds": times, "best_GBps": plan.total_bytes / best / 1e9,
                       "median_GBps": plan.total_bytes / med / 1e9}
-        save()
-        # 3) verified sync: per-tensor checksums on both ends
+
+    def s_verify():
+        plan = st["plan"]
         if rank == 0:
             transport.verify = True
-        dt, m = timed_sync(100)
+        try:
+            dt, m = timed_sync(100)
+        finally:
+            if rank == 0:
+                transport.verify = False
         if rank == 0:
             rep = client.call("report")[0]
             res["verify"] = {"seconds": dt, "GBps": plan.total_bytes / dt / 1e9, "receiver": rep,
                              "sender_digest": transport.last_digest,
                              "match": rep["checksum"] == transport.last_digest and rep["version"] == 100}
-        # 4) a corrupted bucket must be caught (a bucket holding packed data)
+
+    def s_corrupt():
+        plan = st["plan"]
+        target = None
         if rank == 0:
+            transport.verify = True
             target = next(b.index for b in plan.buckets
                           if any(not (transport.layout == "ipc" and t.direct) for t in b.tensors))
             transport.corrupt_bucket = target
@@ -269,40 +295,64 @@ def run_trainer(a) -> None:
             rep = client.call("report")[0]
             res["corrupt"] = {"bucket": target, "caught": caught is not None, "error": caught,
                               "receiver_after": {k: rep[k] for k in ("version", "consistent")}}
-        dt, m = timed_sync(102)
+        try:
+            timed_sync(102)
+        finally:
+            if rank == 0:
+                transport.verify = False
         if rank == 0:
-            transport.verify = False
             rep = client.call("report")[0]
-            res["verify_after_corrupt"] = {"match": rep["checksum"] == transport.last_digest, "version": rep["version"]}
-        save()
-        # 5) logits after the sync
+            res["verify_after_corrupt"] = {"match": rep["checksum"] == transport.last_digest,
+                                           "version": rep["version"]}
+
+    def s_rx_logits():
         if rank == 0:
             client.call("save_logits", {"input_ids": ids, "file": f"{a.phase}_rx_synced.safetensors"})
+
+    def s_baseline():
+        meta = [(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in bridge.export_hf(models)]
+        th = None
+        if rank == 0:
+            th = threading.Thread(target=client.call, args=("x_per_tensor", {"meta": meta}))
+            th.start()
+        dist.barrier()
+        sync_all()
+        t = time.perf_counter()
+        for n, tens in bridge.export_hf(models):
+            if rank == 0:
+                transport.comm.broadcast(tens.contiguous(), 0).wait()
+        sync_all()
+        if rank == 0:
+            th.join()
+        dt = time.perf_counter() - t
+        nbytes = 0
+        for _, d, shp in meta:
+            k = 1
+            for x in shp:
+                k *= x
+            nbytes += k * (2 if d == "bfloat16" else 4)
+        res["tensor_by_tensor"] = {"tensors": len(meta), "bytes": nbytes, "seconds": dt, "GBps": nbytes / dt / 1e9}
+
+    def s_trainer_logits():
+        ref = logits()
+        if rank == 0:
+            compare("logits_before_sync", f"{a.phase}_rx_before.safetensors", ref)
             compare("logits_after_sync", f"{a.phase}_rx_synced.safetensors", ref)
             lg = res["logits_after_sync"]
             lg["pass"] = lg["cosine"] >= TOL["cosine_min"] and lg["rel"] <= TOL["rel_max"]
             lg["tolerance"] = TOL
-        save()
-        # 6) tensor-by-tensor baseline (nccl phase): mbridge's per-tensor export + one broadcast per tensor
+
+    try:
+        section("init", s_init)
+        section("warmup", s_warmup)
+        section("ceiling", s_ceiling)
+        section("e2e", s_e2e)
+        section("verify", s_verify)
+        section("corrupt", s_corrupt)
+        section("rx_logits", s_rx_logits)
         if a.phase == "nccl" and not a.skip_baseline:
-            meta = [(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in bridge.export_hf(models)]
-            th = None
-            if rank == 0:
-                th = threading.Thread(target=client.call, args=("x_per_tensor", {"meta": meta}))
-                th.start()
-            dist.barrier()
-            sync_all()
-            t = time.perf_counter()
-            for n, tens in bridge.export_hf(models):
-                if rank == 0:
-                    transport.comm.broadcast(tens.contiguous(), 0).wait()
-            sync_all()
-            if rank == 0:
-                th.join()
-            dt = time.perf_counter() - t
-            nbytes = sum(int(torch.tensor(s).prod().item()) * (2 if d == "bfloat16" else 4) for _, d, s in meta)
-            res["tensor_by_tensor"] = {"tensors": len(meta), "bytes": nbytes, "seconds": dt, "GBps": nbytes / dt / 1e9}
-            save()
+            section("baseline", s_baseline)
+        section("trainer_logits", s_trainer_logits)
     finally:
         if rank == 0 and transport is not None:
             transport.close()

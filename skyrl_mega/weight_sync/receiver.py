@@ -145,6 +145,8 @@ class WeightReceiver:
     def update_weights(self, update_info: dict) -> dict:
         t0 = time.perf_counter()
         self.pending = update_info["version"]
+        if not update_info.get("verify") and update_info.get("round", 0) == 0:
+            self.checksums = {}  # checksums describe the last verified sync only
         try:
             if self.mode == "broadcast":
                 rep = receive_sync(self.comm, update_info, _BroadcastSink(self), self._wire_plans)
