@@ -172,8 +172,15 @@ def run_trainer(a) -> None:
         else:
             transport = CudaIpcTransport(zero_copy=cuda, **common)
 
+    gloo = dist.new_group(backend="gloo") if world > 1 and dist.get_backend() != "gloo" else None
+
+    def barrier():
+        # a CPU barrier: an NCCL barrier would leave a spinning kernel on a GPU the receiver shares
+        if world > 1:
+            dist.barrier(group=gloo)
+
     def timed_sync(version, label=None):
-        dist.barrier()
+        barrier()
         sync_all()
         t = time.perf_counter()
         m = sync_weights(bridge, models, transport, version=version, bucket_bytes=bucket)
@@ -223,6 +230,7 @@ def run_trainer(a) -> None:
         res["model_bytes"] = plan.total_bytes
 
     def s_ceiling():
+        barrier()  # rank 1 waits here on the CPU, not in an NCCL kernel on the receiver's GPU
         nb = int(a.raw_gib * GiB)
         if a.phase == "nccl":
             if rank == 0:
@@ -238,6 +246,7 @@ def run_trainer(a) -> None:
                 raw = (time.perf_counter() - t) / a.iters
                 th.join()
                 res["raw_broadcast"] = {"bytes": nb, "seconds": raw, "GBps": nb / raw / 1e9}
+            barrier()
         else:
             src = torch.empty(nb, dtype=torch.uint8, device=dev)
             dst = torch.empty_like(src)
@@ -315,7 +324,7 @@ def run_trainer(a) -> None:
         if rank == 0:
             th = threading.Thread(target=client.call, args=("x_per_tensor", {"meta": meta}))
             th.start()
-        dist.barrier()
+        barrier()
         sync_all()
         t = time.perf_counter()
         for n, tens in bridge.export_hf(models):

@@ -123,6 +123,7 @@ class BucketExporter:
         self._direct_cache: dict = {}
         self._flat_cache: dict = {}
         self._index: ParamIndex | None = None
+        self._flag_group = None
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self) -> BucketPlan:
@@ -135,10 +136,7 @@ class BucketExporter:
             self._index = ParamIndex(self.models)
             self._params = self._index.lookup()
         sig = signature(self.models, self._params)
-        stale = torch.tensor([int(self._plan is None or self._plan.signature != sig)], device=_dev_of(self.models))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stale, op=dist.ReduceOp.MAX)
-        if int(stale.item()):
+        if self.flag_max(int(self._plan is None or self._plan.signature != sig)):
             self._index = ParamIndex(self.models)  # a full traversal whenever anything changed
             self._params = self._index.lookup()
             self._plan = build_plan(self.bridge, self.models, self.bucket_bytes)
@@ -146,6 +144,20 @@ class BucketExporter:
             if self._pool is not None:
                 self._pool.release()
         return self._plan
+
+    def flag_max(self, value: int) -> int:
+        """Max of a small int over all trainer ranks, on the CPU (gloo).
+
+        With NCCL a rank that is done early would otherwise sit in a spinning NCCL kernel for the
+        rest of the sync, and on a GPU it shares with a receiver that kernel takes GPU time
+        slices from the receiver (measured on H200: the receiver's broadcast at half speed)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return int(value)
+        if self._flag_group is None:
+            self._flag_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._flag_group)
+        return int(t.item())
 
     # -- iteration --------------------------------------------------------------------------------
     def iter_buckets(self, acquire: Callable[[BucketSpec, int], torch.Tensor | None] | None = None,

@@ -70,15 +70,13 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
             transport.abort()
         except Exception:
             logger.exception("abort after a failed weight sync")
-    # every trainer rank learns whether the sync failed
-    failed = torch.tensor([int(failure is not None)], device=_device(models))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    # every trainer rank learns whether the sync failed (a CPU collective: see flag_max)
+    failed = ex.flag_max(int(failure is not None))
     if failure is not None:
         if isinstance(failure, WeightSyncError):
             raise failure
         raise WeightSyncError(f"weight sync {version} failed: {failure!r}") from failure
-    if int(failed.item()):
+    if failed:
         raise WeightSyncError(f"weight sync {version} failed on trainer rank 0")
     seconds = time.perf_counter() - t0
     out = {"weight_sync/seconds": seconds, "weight_sync/plan_seconds": t_plan,
@@ -92,9 +90,3 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
         transport.last_report = report
     return out
 
-
-def _device(models):
-    for m in models:
-        for p in m.parameters():
-            return p.device
-    return torch.device("cpu")
