@@ -98,8 +98,24 @@ def rollout_with_retries(cfg, ctrl, policy, step: int, version: int):
                 ctrl.sampler.load_state(sampler_state)  # the retry draws the same prompts
         if bcast_int(ok):
             return result
-        sync_weights(policy.bridge, policy.models, ctrl.engines.transport if ctrl else None, version)
+        sync_with_retries(cfg, ctrl, policy, ctrl.engines.transport if ctrl else None, version)
     raise RuntimeError(f"step {step}: rollout failed {cfg.rollout.max_step_retries + 1} times")
+
+
+def sync_with_retries(cfg, ctrl, policy, transport, version: int) -> dict:
+    """Collective. A sync that fails (every rank raises, e.g. a server died) restarts dead
+    servers on rank 0 and sends the same weights again."""
+    from .rollout.errors import WeightSyncError
+
+    for attempt in range(cfg.rollout.max_step_retries + 1):
+        try:
+            return sync_weights(policy.bridge, policy.models, transport, version=version)
+        except WeightSyncError as e:
+            log0(f"weight sync {version} failed (attempt {attempt + 1}): {str(e)[:300]}")
+            if ctrl is not None:
+                log0(f"restarted servers {ctrl.engines.restart_dead()}; sending version {version} again")
+            dist.barrier()
+    raise RuntimeError(f"weight sync {version} failed {cfg.rollout.max_step_retries + 1} times")
 
 
 def main(argv: list[str]) -> None:
@@ -132,7 +148,7 @@ def main(argv: list[str]) -> None:
         log0(f"{'resuming from step ' + str(start) if start else 'starting'}; world size {world}, "
              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}")
         transport = ctrl.engines.transport if ctrl is not None else None  # rank 0 sends, others export
-        sync_weights(policy.bridge, policy.models, transport, version=start)
+        sync_with_retries(cfg, ctrl, policy, transport, version=start)
 
         for step in range(start, steps):
             t0 = time.perf_counter()
@@ -149,7 +165,7 @@ def main(argv: list[str]) -> None:
             t_train = time.perf_counter() - t1
             if ctrl is not None:
                 ctrl.engines.before_rollout()                                       # colocated: wake
-            metrics.update(sync_weights(policy.bridge, policy.models, transport, version=step + 1))
+            metrics.update(sync_with_retries(cfg, ctrl, policy, transport, version=step + 1))
             save_due(cfg, policy, ctrl, ckpt_root, step + 1)
             step_s = time.perf_counter() - t0
             metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train, "time/step_s": step_s,
