@@ -105,7 +105,8 @@ def test_vllm_server_killed_mid_run_is_restarted_and_run_completes(short, tiny_q
     os.kill(pid, signal.SIGKILL)
     assert proc.wait(timeout=600) == 0, open(root / "sk.log").read()[-3000:]
     text = open(root / "sk.log").read()
-    assert "rollout failed" in text and "restarted servers [0]" in text
+    # the kill lands in a rollout or in a weight sync; either is retried on the restarted server
+    assert ("rollout failed" in text or "weight sync" in text) and "restarted servers [0]" in text
     got = _metrics(out)
     assert [r["step"] for r in got] == list(range(6))
     for a, b in zip(got, reference):
