@@ -36,8 +36,12 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 GiB = 1 << 30
-# bf16 logits of two implementations (Megatron local spec vs transformers) on identical weights
-TOL = {"cosine_min": 0.999, "rel_max": 0.05}
+# bf16 logits of two implementations (Megatron local spec vs transformers) on identical weights.
+# "noise_x": max |receiver - trainer| may be at most this multiple of the receiver's own bf16
+# rounding noise on the same weights (max |transformers bf16 - transformers fp32|, measured in
+# the run): top-k routing turns rounding differences into expert flips, so a fixed fraction of
+# the logit range says little; the noise floor of one implementation does.
+TOL = {"cosine_min": 0.999, "noise_x": 2.0}
 
 SIZES = {
     # ~14.7 GB bf16: 16 layers x 32 experts x (3 x 2048 x 2048), vocab 151936
@@ -101,6 +105,26 @@ def run_receiver(a) -> None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return {"tensors": len(meta)}
+
+        def x_fp32_logits(self, input_ids, file: str) -> dict:
+            """Logits of an fp32 copy of the model (the bf16 noise floor of this implementation)."""
+            import copy
+
+            from safetensors.torch import save_file
+
+            m32 = copy.deepcopy(self.model).float()
+            with torch.no_grad():
+                lg = m32(torch.as_tensor(input_ids, device=self.device)).logits.float().cpu().contiguous()
+            del m32
+            torch.cuda.empty_cache() if self.device.type == "cuda" else None
+            save_file({"logits": lg}, os.path.join(a.out, file))
+            return {"file": file}
+
+        def x_copy_mode(self, loop_min_bytes: int) -> dict:
+            from skyrl_mega.weight_sync.protocol import CopyPlan
+
+            CopyPlan.loop_min_bytes = int(loop_min_bytes)
+            return {"loop_min_bytes": CopyPlan.loop_min_bytes}
 
     if a.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(a.device))
@@ -179,11 +203,13 @@ def run_trainer(a) -> None:
         if world > 1:
             dist.barrier(group=gloo)
 
-    def timed_sync(version, label=None):
+    gathers = ["auto", "nccl"] if a.phase == "nccl" and world > 1 else ["auto"]
+
+    def timed_sync(version, gather="auto"):
         barrier()
         sync_all()
         t = time.perf_counter()
-        m = sync_weights(bridge, models, transport, version=version, bucket_bytes=bucket)
+        m = sync_weights(bridge, models, transport, version=version, bucket_bytes=bucket, gather=gather)
         sync_all()
         dt = time.perf_counter() - t
         return dt, m
@@ -223,8 +249,11 @@ def run_trainer(a) -> None:
             client.call("save_logits", {"input_ids": ids, "file": f"{a.phase}_rx_before.safetensors"})
 
     def s_warmup():
-        dt, _ = timed_sync(0)  # NCCL communicators, plan
-        st["plan"] = plan = get_exporter(bridge, models, bucket).plan()
+        for g in reversed(gathers):
+            dt, _ = timed_sync(0, g)  # NCCL communicators, plans
+        ex = get_exporter(bridge, models, bucket, "auto")
+        st["plan"] = plan = ex.plan()
+        res["auto_gather"] = "ipc (peer reads)" if ex._peer is not None else "nccl"
         res["warmup_s"] = dt
         res["plan"] = plan.summary()
         res["model_bytes"] = plan.total_bytes
@@ -260,31 +289,60 @@ def run_trainer(a) -> None:
             res["d2d_copy"] = {"bytes": nb, "seconds": d2d, "GBps": nb / d2d / 1e9,
                                "GBps_read_plus_write": 2 * nb / d2d / 1e9}
 
-    def s_e2e():
+    def measure(label, gather="auto"):
         plan = st["plan"]
         times = []
         for v in range(1, a.iters + 1):
-            dt, m = timed_sync(v)
+            dt, m = timed_sync(v, gather)
             times.append(dt)
             res["last_metrics"] = m
         best, med = min(times), sorted(times)[len(times) // 2]
-        res["e2e"] = {"bytes": plan.total_bytes, "seconds": times, "best_GBps": plan.total_bytes / best / 1e9,
-                      "median_GBps": plan.total_bytes / med / 1e9}
+        return {"label": label, "bytes": plan.total_bytes, "seconds": times,
+                "receiver_last_update": client.last.get("update_weights") if rank == 0 else None,
+                "best_GBps": plan.total_bytes / best / 1e9, "median_GBps": plan.total_bytes / med / 1e9,
+                "metrics": res["last_metrics"]}
+
+    def s_e2e():
+        if a.phase == "nccl":
+            res["e2e_by_gather"] = {g: measure(f"gather={g}", g) for g in gathers}
+            res["e2e"] = res["e2e_by_gather"]["auto"]
+            return
+        # co-located: IPC round size x the engine's copy mode, each measured here
+        runs = []
+        for round_mb in a.ipc_round_mb:
+            for loop_min in (1 << 20, 1 << 62):
+                if rank == 0:
+                    transport.round_bytes = round_mb << 20
+                    client.call("x_copy_mode", {"loop_min_bytes": loop_min})
+                runs.append(measure(f"round {round_mb} MiB, copies {'memcpy >= 1 MiB' if loop_min < 1 << 40 else 'foreach'}"))
+        res["ipc_sweep"] = runs
+        res["e2e"] = max(runs, key=lambda r: r["best_GBps"])
+        if rank == 0:  # keep the best setting for the rest of the run
+            best = runs.index(res["e2e"])
+            transport.round_bytes = a.ipc_round_mb[best // 2] << 20
+            client.call("x_copy_mode", {"loop_min_bytes": (1 << 20, 1 << 62)[best % 2]})
 
     def s_verify():
         plan = st["plan"]
-        if rank == 0:
-            transport.verify = True
-        try:
-            dt, m = timed_sync(100)
-        finally:
+        res["verify_by_gather"] = {}
+        for g in gathers:
             if rank == 0:
-                transport.verify = False
+                transport.verify = True
+            try:
+                dt, m = timed_sync(100, g)
+            finally:
+                if rank == 0:
+                    transport.verify = False
+            if rank == 0:
+                rep = client.call("report")[0]
+                res["verify_by_gather"][g] = {
+                    "seconds": dt, "GBps": plan.total_bytes / dt / 1e9, "receiver": rep,
+                    "sender_digest": transport.last_digest,
+                    "match": rep["checksum"] == transport.last_digest and rep["version"] == 100}
         if rank == 0:
-            rep = client.call("report")[0]
-            res["verify"] = {"seconds": dt, "GBps": plan.total_bytes / dt / 1e9, "receiver": rep,
-                             "sender_digest": transport.last_digest,
-                             "match": rep["checksum"] == transport.last_digest and rep["version"] == 100}
+            res["verify"] = res["verify_by_gather"]["auto"]
+            res["verify"]["same_digest_every_gather"] = len(
+                {d["sender_digest"] for d in res["verify_by_gather"].values()}) == 1
 
     def s_corrupt():
         plan = st["plan"]
@@ -317,6 +375,7 @@ def run_trainer(a) -> None:
     def s_rx_logits():
         if rank == 0:
             client.call("save_logits", {"input_ids": ids, "file": f"{a.phase}_rx_synced.safetensors"})
+            client.call("x_fp32_logits", {"input_ids": ids, "file": f"{a.phase}_rx_synced_fp32.safetensors"})
 
     def s_baseline():
         meta = [(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in bridge.export_hf(models)]
@@ -347,8 +406,14 @@ def run_trainer(a) -> None:
         if rank == 0:
             compare("logits_before_sync", f"{a.phase}_rx_before.safetensors", ref)
             compare("logits_after_sync", f"{a.phase}_rx_synced.safetensors", ref)
+            from safetensors.torch import load_file
+
+            rx16 = load_file(os.path.join(a.out, f"{a.phase}_rx_synced.safetensors"))["logits"].float()
+            compare("rx_bf16_noise", f"{a.phase}_rx_synced_fp32.safetensors", rx16)
             lg = res["logits_after_sync"]
-            lg["pass"] = lg["cosine"] >= TOL["cosine_min"] and lg["rel"] <= TOL["rel_max"]
+            lg["noise_floor_max_abs"] = res["rx_bf16_noise"]["max_abs"]
+            lg["pass"] = (lg["cosine"] >= TOL["cosine_min"]
+                          and lg["max_abs"] <= TOL["noise_x"] * max(lg["noise_floor_max_abs"], 1e-6))
             lg["tolerance"] = TOL
 
     try:
@@ -383,7 +448,8 @@ def run_phase(a, phase: str, env: dict, model_dir: str, deadline: float) -> dict
     tr_cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
               "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, "--role", "trainer",
               "--phase", phase, "--device", a.device, "--iters", str(a.iters), "--raw-gib", str(a.raw_gib),
-              "--bucket-mb", str(a.bucket_mb), *common] + (["--skip-baseline"] if a.skip_baseline else [])
+              "--bucket-mb", str(a.bucket_mb),
+              "--ipc-round-mb", ",".join(map(str, a.ipc_round_mb)), *common] + (["--skip-baseline"] if a.skip_baseline else [])
     tr = subprocess.Popen(tr_cmd, stdout=open(os.path.join(a.out, f"{phase}_trainer.log"), "w"),
                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -424,9 +490,16 @@ def summarize(r: dict) -> str:
     if i.get("e2e") and i.get("d2d_copy"):
         lines.append(f"CUDA IPC end-to-end / D2D copy: {i['e2e']['best_GBps'] / i['d2d_copy']['GBps']:.1%} "
                      f"(median {i['e2e']['median_GBps'] / i['d2d_copy']['GBps']:.1%})")
+    for g, d in n.get("e2e_by_gather", {}).items():
+        lines.append(f"NCCL end-to-end, expert gather={g}: best {d['best_GBps']:.1f} GB/s, median {d['median_GBps']:.1f}")
+    if n.get("auto_gather"):
+        lines.append(f"gather=auto used: {n['auto_gather']}")
+    for d in i.get("ipc_sweep", []):
+        lines.append(f"IPC {d['label']}: best {d['best_GBps']:.1f} GB/s, median {d['median_GBps']:.1f}")
     for ph, d in (("nccl", n), ("ipc", i)):
         if d.get("verify"):
             lines.append(f"{ph}: verified sync {d['verify']['GBps']:.1f} GB/s, checksums match: {d['verify']['match']}; "
+                         f"same digest with every gather: {d['verify'].get('same_digest_every_gather')}; "
                          f"corrupted bucket caught: {d.get('corrupt', {}).get('caught')}; "
                          f"logits after sync: {d.get('logits_after_sync')}")
     return "\n".join(lines)
@@ -446,6 +519,8 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--raw-gib", type=float, default=4.0)
     ap.add_argument("--bucket-mb", type=int, default=1024)
+    ap.add_argument("--ipc-round-mb", type=lambda v: [int(x) for x in v.split(",")], default=[2048, 1 << 20],
+                    help="IPC phase: round sizes to measure (MiB, comma-separated)")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--time-limit", type=float, default=280.0, help="driver: kill everything after this")
     ap.add_argument("--skip-baseline", action="store_true")

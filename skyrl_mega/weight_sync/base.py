@@ -121,8 +121,8 @@ class BucketTransport(WeightTransport):
         t0 = time.perf_counter()
         reports = self._fanout(lambda c: c.finish(version))
         versions = {}
-        for c in self.clients:
-            versions.update(c.versions())
+        for c, rep in zip(self.clients, reports):
+            versions.update(c.versions(rep))
         wrong = {k: v for k, v in versions.items() if str(v) != str(version)}
         if wrong:
             raise WeightSyncError(f"update {version}: engines report versions {wrong} after finishing")

@@ -74,7 +74,7 @@ class HttpEngineClient:
         body = {"weight_version": None if version is None else str(version)}
         return self._each("POST", "/finish_weight_update", [body] * len(self.urls))
 
-    def versions(self) -> dict:
+    def versions(self, finish_reply=None) -> dict:
         return self.control.weight_versions()
 
     def describe(self) -> str:
@@ -127,8 +127,10 @@ class ChannelClient:
     def finish(self, version) -> Any:
         return self.call("finish_weight_update", {"weight_version": version})
 
-    def versions(self) -> dict:
-        return {f"receiver{i}": r["version"] for i, r in enumerate(self.call("report"))}
+    def versions(self, finish_reply: list | None = None) -> dict:
+        """Each receiver's committed version (from finish's reply when given: no extra round trip)."""
+        reports = finish_reply if finish_reply is not None else self.call("report")
+        return {f"receiver{i}": r["version"] for i, r in enumerate(reports)}
 
     def shutdown(self) -> None:
         if self.store is not None:

@@ -8,11 +8,14 @@ one device-to-device copy per byte. Tensors that need a gather or a conversion (
 other EP ranks' experts, the q/k/v split) are packed by the exporter into ONE staging buffer
 of about one bucket (`staging_bytes`, default the plan's bucket size or its largest bucket),
 so peak extra memory stays near one bucket whatever the model size. Buckets accumulate into
-the staging buffer until the next one does not fit; then a "round" goes out: one
-update_weights call whose JSON names every tensor as (handle index, byte offset, dtype,
-shape) plus the IPC handles (torch's CUDA IPC reduction, which also carries an event the
-consumer waits on). The consumer answers after its copies finished (device synchronised), so
-the staging buffer is reused only then. finish_weight_update(version) commits.
+a "round" until it holds `round_bytes` (default 2 GiB) or the next bucket does not fit the
+staging buffer; then the round goes out: one update_weights call whose JSON names every
+tensor as (handle index, byte offset, dtype, shape) plus the IPC handles (torch's CUDA IPC
+reduction). Rounds are posted from a background thread, in order, so the engine copies round
+k while the trainer walks the buckets of round k+1. A round that used the staging buffer is
+answered only after the engine's copies finished (device synchronised; "sync": true), and
+the staging buffer is refilled only after every such answer came back. The last round is
+always synchronous. finish_weight_update(version) commits.
 On CPU (tests and dry runs) the staging buffer is a /dev/shm file and nothing is direct.
 Verification: the sender's checksums ride in each round; the receiver compares them with
 checksums of what landed in its weights and fails the update on any mismatch.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -40,8 +44,12 @@ class CudaIpcTransport(BucketTransport):
     """Co-located engines: IPC handles to parameter storage + one staging buffer (see module doc)."""
 
     def __init__(self, control=None, receivers=(), *, zero_copy: bool | None = None,
-                 staging_bytes: int | None = None, **kw):
+                 staging_bytes: int | None = None, round_bytes: int = 2 << 30, **kw):
         super().__init__(control, receivers, **kw)
+        self.round_bytes = int(round_bytes)
+        self._exe = ThreadPoolExecutor(max_workers=1)  # posts rounds in order
+        self._inflight: list = []  # futures of posted rounds
+        self._acc = 0  # bytes in the round being assembled
         self.zero_copy = (self.device.type == "cuda") if zero_copy is None else bool(zero_copy)
         if self.zero_copy and self.device.type != "cuda":
             raise ValueError("zero-copy IPC needs CUDA (CPU tensors are not shareable in place)")
@@ -112,16 +120,20 @@ class CudaIpcTransport(BucketTransport):
         self._sums: list[torch.Tensor] = []
         self._round = 0
         self._next = 0
+        self._acc = 0
+        self._inflight = []
         self._sent_sums: dict[int, list[int]] = {}
         self._t_start = time.perf_counter()
         self.timings = {}
         self._pause()
-        self._fanout(lambda c: c.start())
+        self._inflight.append(self._exe.submit(self._fanout, lambda c: c.start()))  # rounds follow in order
         self._touched = True
 
     def acquire(self, bucket: BucketSpec, nbytes: int) -> torch.Tensor:
         if self._cursor + nbytes > self._staging.numel():
             self._flush(last=False)
+            self._drain()  # every round that read the staging buffer has finished copying
+            self._cursor = 0
         self._base = self._cursor
         self._cursor += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         return self._staging[self._base: self._base + nbytes]
@@ -161,7 +173,19 @@ class CudaIpcTransport(BucketTransport):
             o = base + (packed[0].offset if self.layout == "full" else packed[0].ipc_offset)
             self._staging[o: o + 1].bitwise_xor_(0x5A)
         self._next += 1
+        self._acc += b.nbytes
+        self._check_inflight()
+        if self._acc >= self.round_bytes and self._next < len(self._plan.buckets):
+            self._flush(last=False)
 
+    def _check_inflight(self) -> None:
+        while self._inflight and self._inflight[0].done():
+            self._inflight.pop(0).result()  # raises the engine's error
+
+    def _drain(self) -> None:
+        futs, self._inflight = self._inflight, []
+        for f in futs:
+            f.result()
     def _entries(self, storages: dict) -> list[list]:
         """The round's tensor table: [name, dtype, shape, handle index, byte offset, nbytes, index]."""
         out, full = [], self.layout == "full"
@@ -205,17 +229,25 @@ class CudaIpcTransport(BucketTransport):
             self._record_sent(info["checksums"])
         elif self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        info["sync"] = last or self.verify or self._uses_staging()
         try:
-            self._fanout(lambda c: c.update(info))
+            if last:
+                self._drain()
+                self._fanout(lambda c: c.update(info))
+            else:
+                self._inflight.append(self._exe.submit(self._fanout, lambda c: c.update(info)))
         except BaseException:
             self._layouts = {}  # a receiver may not hold the layout: send it in full next time
             raise
         self._round_items, self._sums = [], []
-        self._cursor = 0
+        self._acc = 0
         self._round += 1
         self.rounds += 1
         self.timings["rounds"] = self._round
         self.timings["round_s"] = self.timings.get("round_s", 0.0) + time.perf_counter() - t0
+
+    def _uses_staging(self) -> bool:
+        return any(self._packed(b) for b, _, _ in self._round_items)
 
     def _record_sent(self, rows: list) -> None:
         order = []
@@ -237,6 +269,12 @@ class CudaIpcTransport(BucketTransport):
 
     def abort(self) -> None:
         """Rounds already delivered stay loaded: engines stay paused on their old version."""
+        for f in self._inflight:
+            try:
+                f.result()
+            except Exception as e:
+                logger.info("engine after abort: %s", e)
+        self._inflight = []
         self._round_items, self._sums = [], []
         self._layouts = {}
         self._leave_paused()
@@ -247,4 +285,5 @@ class CudaIpcTransport(BucketTransport):
 
     def close(self) -> None:
         super().close()
+        self._exe.shutdown(wait=False)
         self._free_staging()

@@ -13,7 +13,9 @@ Per bucket, at most three collectives (never one per tensor):
   and converts (_weight_to_hf_format) per parameter into the bucket.
 - expert bucket (one MoE layer): each EP rank concatenates its local experts into one buffer;
   the leader receives them straight into the bucket (in-place layout, ETP=1) or into a staging
-  buffer that is merged over ETP and copied (staged layout).
+  buffer that is merged over ETP and copied (staged layout). When every EP rank is on the
+  leader's host with CUDA (gather="auto"), the leader instead reads the other ranks' experts
+  straight from their memory (peer_gather.py): no collective, and no kernel on their GPUs.
 - pipeline stage s>0: its leader sends the finished bucket to global rank 0 (one send).
 Only the first data-parallel replica takes part; the gathers move data toward rank 0 only.
 
@@ -112,7 +114,12 @@ def _gather_rows(send: torch.Tensor, rows: list[torch.Tensor] | None, root: int,
 class BucketExporter:
     """Iterates the plan's buckets; on rank 0 yields (bucket, packed buffer, direct tensors)."""
 
-    def __init__(self, bridge, models, bucket_bytes: int):
+    def __init__(self, bridge, models, bucket_bytes: int, gather: str = "auto"):
+        if gather not in ("auto", "nccl", "ipc"):
+            raise ValueError(f"gather must be 'auto', 'nccl' or 'ipc', got {gather!r}")
+        self.gather = gather  # expert gather: NCCL point-to-point, or intra-node IPC (peer_gather.py)
+        self._peer = None  # PeerExpertGather while the IPC gather is in use
+        self._peer_ok: bool | None = None  # decided once (collective)
         self.bridge = bridge
         self.impl = bridge.impl if hasattr(bridge, "impl") else bridge
         self.models = models
@@ -136,14 +143,70 @@ class BucketExporter:
             self._index = ParamIndex(self.models)
             self._params = self._index.lookup()
         sig = signature(self.models, self._params)
-        if self.flag_max(int(self._plan is None or self._plan.signature != sig)):
+        peer = self._peer
+        if peer is not None:
+            torch.cuda.current_stream().synchronize()  # the leader may read our experts right away
+        stale = self._plan is None or self._plan.signature != sig
+        flags = self.flag_max(int(stale) | int(peer is not None and not stale and peer.stale(self._peer_tensors())) << 1)
+        if flags & 1:
             self._index = ParamIndex(self.models)  # a full traversal whenever anything changed
             self._params = self._index.lookup()
             self._plan = build_plan(self.bridge, self.models, self.bucket_bytes)
             self.rebuilds += 1
             if self._pool is not None:
                 self._pool.release()
+        if self._peer_ok is None:
+            self._peer_ok = self._peer_possible()
+        if self._peer_ok and (flags or self._peer is None):
+            self._publish_peer()
         return self._plan
+
+    # -- intra-node expert gather (peer_gather.py) ----------------------------------------------------
+    def _peer_possible(self) -> bool:
+        """Collective, once: may the expert gather read other ranks' memory (same host, CUDA)?"""
+        plan = self._plan
+        experts = [b for b in plan.buckets if b.kind != "dense"]
+        if self.gather == "nccl" or len(plan.ep_members) <= 1 or not experts or len(plan.leaders) > 1:
+            ok = False
+        else:
+            from .peer_gather import same_host_cuda
+
+            self.flag_max(0)  # creates the gloo group everywhere
+            ok = all(b.experts.in_place for b in experts) and same_host_cuda(self._flag_group)
+        if self.gather == "ipc" and not ok:
+            raise RuntimeError("gather='ipc' needs one pipeline stage, ETP=1 and every expert rank on this "
+                               "host with CUDA")
+        return ok
+
+    def _peer_tensors(self) -> dict[int, list[torch.Tensor]]:
+        """bucket index -> this rank's local experts in packing order ({} outside the gather)."""
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_expert_data_parallel_rank() != 0 or self._params is None:
+            return {}
+        params = {(vpp, name): t for vpp, name, t in self._params}
+        return {b.index: [params[(b.experts.vpp, p.local_name)] for p in b.experts.params]
+                for b in self._plan.buckets if b.kind != "dense"}
+
+    def _publish_peer(self) -> None:
+        from megatron.core import parallel_state as mpu
+
+        from .peer_gather import PeerExpertGather
+        from .plan import _expert_group
+
+        group = _expert_group(dict(etp=mpu.get_expert_tensor_parallel_world_size()))
+        peer = PeerExpertGather(self._flag_group, self._plan.leaders[0], dist.get_process_group_ranks(group))
+        if peer.publish(self._peer_tensors()):
+            self._peer = peer
+        else:
+            self._peer, self._peer_ok = None, False
+
+    def _peer_done(self) -> None:
+        """After the last bucket: the leader's reads finished before any member moves on."""
+        if self._peer is not None:
+            if dist.get_rank() == self._peer.leader:
+                torch.cuda.current_stream().synchronize()
+            self.flag_max(0)
 
     def flag_max(self, value: int) -> int:
         """Max of a small int over all trainer ranks, on the CPU (gloo).
@@ -217,6 +280,7 @@ class BucketExporter:
                         for r in _p2p([dist.P2POp(dist.irecv, dest, leader, ctx.pp_group)]):
                             r.wait()
                 yield b, (dest if rank == 0 else None), direct
+        self._peer_done()
 
     @staticmethod
     def _place(t: TensorSlot, src: torch.Tensor, dest, layout, direct, param=None) -> None:
@@ -279,6 +343,15 @@ class BucketExporter:
                     [(b.tensors[si], b.tensors[si].offset - HEADER_BYTES - p.offset) for si in idx]
                     for p, idx in zip(g.params, g.slots[0])])
             direct.extend(zip(local, cache[1]))
+            return
+        if g.in_place and self._peer is not None:
+            if ctx.rank == leader:  # members launch nothing: the leader reads their memory
+                rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
+                        for m in range(members)]
+                mine = rows[ranks.index(leader)]
+                flats = self._flats(b.index, local)
+                torch.cat(flats, out=mine if flats[0].dtype == torch.uint8 else mine.view(flats[0].dtype))
+                self._peer.copy_rows(b.index, rows)
             return
         if g.in_place:
             flats = self._flats(b.index, local)
@@ -364,18 +437,19 @@ def bucket_tensors(b: BucketSpec, buf: torch.Tensor | None, direct, layout: str 
 _EXPORTERS: dict = {}
 
 
-def get_exporter(bridge, models, bucket_bytes: int) -> BucketExporter:
-    """The cached exporter of (bridge, models, bucket size); its plan is re-verified every sync."""
-    key = (id(bridge), tuple(id(m) for m in models), int(bucket_bytes))
+def get_exporter(bridge, models, bucket_bytes: int, gather: str = "auto") -> BucketExporter:
+    """The cached exporter of (bridge, models, bucket size, gather); its plan is re-verified every sync."""
+    key = (id(bridge), tuple(id(m) for m in models), int(bucket_bytes), gather)
     ex = _EXPORTERS.get(key)
     if ex is None:
-        ex = _EXPORTERS[key] = BucketExporter(bridge, models, bucket_bytes)
+        ex = _EXPORTERS[key] = BucketExporter(bridge, models, bucket_bytes, gather)
     return ex
 
 
-def export_hf_state_dict(bridge, models, bucket_bytes: int = 1 << 30, device="cpu") -> dict[str, torch.Tensor]:
+def export_hf_state_dict(bridge, models, bucket_bytes: int = 1 << 30, device="cpu",
+                         gather: str = "auto") -> dict[str, torch.Tensor]:
     """The whole HF state dict on rank 0 (copies on `device`); {} on other ranks. Collective."""
-    ex = get_exporter(bridge, models, bucket_bytes)
+    ex = get_exporter(bridge, models, bucket_bytes, gather)
     out = {}
     for b, buf, direct in ex.iter_buckets():
         if buf is not None or direct:

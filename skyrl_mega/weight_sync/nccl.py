@@ -102,7 +102,6 @@ class NcclBroadcastTransport(BucketTransport):
         self._next, self._data_done = 0, False
         self.timings = {k: v for k, v in self.timings.items() if k == "init_s"}
         self._pause()
-        self._fanout(lambda c: c.start())
         self._cs = (torch.zeros(plan.num_tensors, 2, dtype=torch.int64, device=self.device)
                     if self.verify else None)
         # all headers in one host->device copy (a per-bucket copy from pageable memory would
@@ -114,8 +113,15 @@ class NcclBroadcastTransport(BucketTransport):
                 "plan": plan.wire() if self._sent_plan != plan.plan_id else None}
         self._sent_plan = plan.plan_id
         self._touched = True
-        self._futs = [self._exe.submit(c.update, info) for c in self.clients]
+        # start + update run in the background: the first bucket is packed meanwhile, and its
+        # broadcast completes only once every receiver has joined the receive loop
+        self._futs = [self._exe.submit(self._start_and_receive, c, info) for c in self.clients]
         self._t_start = time.perf_counter()
+
+    @staticmethod
+    def _start_and_receive(client, info: dict):
+        client.start()
+        return client.update(info)
 
     def acquire(self, bucket: BucketSpec, nbytes: int) -> torch.Tensor:
         return self.pool.acquire(nbytes)

@@ -466,8 +466,11 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Buck
         for vpp, layer in order:
             pb.add_experts(stage, vpp, layer, pending[(vpp, layer)])
         pb.flush_dense()
-    # number every tensor in bucket order; compact IPC layout
-    buckets = sorted(pb.buckets, key=lambda b: (b.stage, b.index))
+    # number every tensor in bucket order; compact IPC layout. Expert buckets go first in each
+    # stage: they cost the sender no per-tensor Python (one concatenation or gather each), so the
+    # wire / the engine's copies start at once, and the dense buckets' conversions (mbridge calls
+    # per parameter, q/k/v splits) run on the CPU while the expert buckets are on the wire.
+    buckets = sorted(pb.buckets, key=lambda b: (b.stage, b.kind != "experts", b.index))
     index = 0
     for i, b in enumerate(buckets):
         b.index = i

@@ -126,7 +126,7 @@ class CopyPlan:
     """Byte-range copies from received buffers into destination tensors, merged where both the
     source and the destination ranges are back to back (one layer's experts -> a few copies).
     The source/destination views are built once per set of source buffers and reused, so a
-    sync costs one _foreach_copy_ call per bucket, not Python work per tensor."""
+    sync costs a few launches per bucket, not Python work per tensor."""
 
     def __init__(self):
         self.runs: list[list] = []  # [src_key, src_off, dst_flat, dst_start, numel, dtype, [(slot, nbytes)..]]
@@ -144,19 +144,29 @@ class CopyPlan:
                 return
         self.runs.append([src_key, src_off, dst_flat, dst_start, numel, dtype, [(slot, nbytes)]])
 
-    def bind(self, sources: dict[Any, torch.Tensor]) -> tuple[list, list]:
-        key = tuple((k, v.data_ptr(), v.numel()) for k, v in sources.items())
+    # runs at least this long are copied one copy_ (a memcpy) each; shorter ones together in one
+    # _foreach_copy_ (one launch for many small tensors). Chosen by bench/weight_sync_bench.py.
+    loop_min_bytes = 1 << 20
+
+    def bind(self, sources: dict[Any, torch.Tensor]) -> tuple[list, list, list]:
+        key = (tuple((k, v.data_ptr(), v.numel()) for k, v in sources.items()), self.loop_min_bytes)
         if self._bound is not None and self._bound[0] == key:
-            return self._bound[1], self._bound[2]
-        dsts, srcs = [], []
+            return self._bound[1]
+        big, dsts, srcs = [], [], []
         for k, off, dst, start, n, dt, _ in self.runs:
-            srcs.append(sources[k][off: off + n * dt.itemsize].view(dt))
-            dsts.append(dst[start: start + n])
-        self._bound = (key, dsts, srcs)
-        return dsts, srcs
+            src, d = sources[k][off: off + n * dt.itemsize].view(dt), dst[start: start + n]
+            if n * dt.itemsize >= self.loop_min_bytes:
+                big.append((d, src))
+            else:
+                dsts.append(d)
+                srcs.append(src)
+        self._bound = (key, (big, dsts, srcs))
+        return self._bound[1]
 
     def execute(self, sources: dict[Any, torch.Tensor]) -> None:
-        dsts, srcs = self.bind(sources)
+        big, dsts, srcs = self.bind(sources)
+        for d, src in big:
+            d.copy_(src)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 

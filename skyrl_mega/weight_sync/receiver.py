@@ -161,7 +161,8 @@ class WeightReceiver:
             self.last_error = repr(e)
             self.pending = None
             raise
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and (self.mode != "ipc" or update_info.get("sync", True)
+                                           or update_info.get("last", True)):
             torch.cuda.synchronize(self.device)
         self.timings["update_s"] = time.perf_counter() - t0
         rep["seconds"] = round(time.perf_counter() - t0, 6)
@@ -239,8 +240,6 @@ class WeightReceiver:
             rows = {idx: i for i, (idx, _) in enumerate(slots)}
             got = torch.zeros(len(slots), 2, dtype=torch.int64, device=self.device)
             cp.checksums(got, lambda s: rows[s])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the trainer reuses its buffers after our answer
         bad = []
         if got is not None:
             exp = torch.tensor(info["checksums"], dtype=torch.int64)

@@ -30,11 +30,13 @@ from .plan import DEFAULT_BUCKET_BYTES
 logger = logging.getLogger(__name__)
 
 
-def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
-    """Collective over all trainer ranks. Returns timing/size metrics (rank 0's are real)."""
+def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 gather: str = "auto") -> dict:
+    """Collective over all trainer ranks. Returns timing/size metrics (rank 0's are real).
+    `gather`: how expert shards reach rank 0 ("auto": CUDA IPC reads within a host, else NCCL)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     t0 = time.perf_counter()
-    ex = get_exporter(bridge, models, bucket_bytes)
+    ex = get_exporter(bridge, models, bucket_bytes, gather)
     plan = ex.plan()
     t_plan = time.perf_counter() - t0
     sending = rank == 0 and transport is not None

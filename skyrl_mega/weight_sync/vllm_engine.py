@@ -63,6 +63,7 @@ class SkyrlBucketUpdateInfo(WeightTransferUpdateInfo):
     mode: str = "broadcast"
     round: int = 0
     last: bool = True
+    sync: bool = True  # answer only after the copies finished (the trainer then reuses its buffer)
     layout_id: str | None = None
     handles: list = field(default_factory=list)
     tensors: list | None = None
@@ -135,7 +136,7 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             except Exception:
                 logger.exception("skyrl_bucket: finalising the reload after a failed update")
             raise
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and (info.mode != "ipc" or info.sync or info.last):
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, info: SkyrlBucketUpdateInfo) -> None:
