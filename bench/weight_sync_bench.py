@@ -120,11 +120,12 @@ def run_receiver(a) -> None:
             save_file({"logits": lg}, os.path.join(a.out, file))
             return {"file": file}
 
-        def x_copy_mode(self, loop_min_bytes: int) -> dict:
+        def x_copy_mode(self, loop_min_bytes: int, use_graphs: bool = False) -> dict:
             from skyrl_mega.weight_sync.protocol import CopyPlan
 
             CopyPlan.loop_min_bytes = int(loop_min_bytes)
-            return {"loop_min_bytes": CopyPlan.loop_min_bytes}
+            CopyPlan.use_graphs = bool(use_graphs)
+            return {"loop_min_bytes": CopyPlan.loop_min_bytes, "use_graphs": CopyPlan.use_graphs}
 
     if a.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(a.device))
@@ -302,25 +303,96 @@ def run_trainer(a) -> None:
                 "best_GBps": plan.total_bytes / best / 1e9, "median_GBps": plan.total_bytes / med / 1e9,
                 "metrics": res["last_metrics"]}
 
+    def copy_mode(loop_min, graphs):
+        if rank == 0:
+            client.call("x_copy_mode", {"loop_min_bytes": loop_min, "use_graphs": graphs})
+
+    def copies_label(loop_min, graphs):
+        return f"{'memcpy >= 1 MiB' if loop_min < 1 << 40 else 'foreach'}{', CUDA graph' if graphs else ''}"
+
+    def set_slots(n):
+        if rank == 0 and transport.num_slots != n:
+            from skyrl_mega.weight_sync.export import SlotPool
+
+            transport.pool.drain()
+            transport.num_slots, transport.pool = n, SlotPool(dev, n=n)
+
     def s_e2e():
         if a.phase == "nccl":
-            res["e2e_by_gather"] = {g: measure(f"gather={g}", g) for g in gathers}
+            # (gather, sender slots, receiver copies) variants, each measured here
+            variants = [("auto", 2, 1 << 20, False), ("auto", 3, 1 << 20, False), ("auto", 2, 1 << 20, True),
+                        ("nccl", 2, 1 << 20, False)] if world > 1 else [("auto", 2, 1 << 20, False)]
+            runs = []
+            for g, slots, lm, gr in variants:
+                set_slots(slots)
+                copy_mode(lm, gr)
+                runs.append(measure(f"gather={g}, {slots} sender slots, receiver {copies_label(lm, gr)}", g))
+                runs[-1]["config"] = [g, slots, lm, gr]
+            res["nccl_sweep"] = runs
+            res["e2e_by_gather"] = {g: max((r for r in runs if r["config"][0] == g), key=lambda r: r["best_GBps"])
+                                    for g in gathers}
             res["e2e"] = res["e2e_by_gather"]["auto"]
+            _, slots, lm, gr = res["e2e"]["config"]
+            set_slots(slots)
+            copy_mode(lm, gr)
             return
         # co-located: IPC round size x the engine's copy mode, each measured here
         runs = []
         for round_mb in a.ipc_round_mb:
             for loop_min in (1 << 20, 1 << 62):
-                if rank == 0:
-                    transport.round_bytes = round_mb << 20
-                    client.call("x_copy_mode", {"loop_min_bytes": loop_min})
-                runs.append(measure(f"round {round_mb} MiB, copies {'memcpy >= 1 MiB' if loop_min < 1 << 40 else 'foreach'}"))
+                for graphs in (False, True):
+                    if rank == 0:
+                        transport.round_bytes = round_mb << 20
+                    copy_mode(loop_min, graphs)
+                    runs.append(measure(f"round {round_mb} MiB, copies {copies_label(loop_min, graphs)}"))
+                    runs[-1]["config"] = [round_mb, loop_min, graphs]
         res["ipc_sweep"] = runs
         res["e2e"] = max(runs, key=lambda r: r["best_GBps"])
+        round_mb, loop_min, graphs = res["e2e"]["config"]
         if rank == 0:  # keep the best setting for the rest of the run
-            best = runs.index(res["e2e"])
-            transport.round_bytes = a.ipc_round_mb[best // 2] << 20
-            client.call("x_copy_mode", {"loop_min_bytes": (1 << 20, 1 << 62)[best % 2]})
+            transport.round_bytes = round_mb << 20
+        copy_mode(loop_min, graphs)
+
+    def s_export_only():
+        """The export without the transport: plan check + gather + pack into two rotating buffers."""
+        from skyrl_mega.weight_sync.export import SlotPool
+
+        ex = get_exporter(bridge, models, bucket, "auto")
+        pool = SlotPool(dev, n=2)
+        times = []
+        for _ in range(a.iters):
+            barrier()
+            sync_all()
+            t = time.perf_counter()
+            ex.plan()
+            for _b in ex.iter_buckets(acquire=lambda b, n: pool.acquire(n), layout="full"):
+                pass
+            sync_all()
+            times.append(time.perf_counter() - t)
+        plan = st["plan"]
+        res["export_only"] = {"bytes": plan.total_bytes, "seconds": times,
+                              "best_GBps": plan.total_bytes / min(times) / 1e9}
+        pool.release()
+
+    def s_wire():
+        """The protocol without the export: pre-packed buckets (headers only) through the same
+        transport and receiver (rank 0 alone; the other ranks wait)."""
+        plan = st["plan"]
+        times = []
+        barrier()
+        if rank == 0:
+            for v in range(a.iters):
+                sync_all()
+                t = time.perf_counter()
+                transport.start(200 + v, plan)
+                for b in plan.buckets:
+                    transport.send_bucket(b, transport.acquire(b, b.nbytes))
+                transport.finish()
+                sync_all()
+                times.append(time.perf_counter() - t)
+            res["wire_only"] = {"bytes": plan.total_bytes, "seconds": times,
+                                "best_GBps": plan.total_bytes / min(times) / 1e9}
+        barrier()
 
     def s_verify():
         plan = st["plan"]
@@ -372,6 +444,16 @@ def run_trainer(a) -> None:
             res["verify_after_corrupt"] = {"match": rep["checksum"] == transport.last_digest,
                                            "version": rep["version"]}
 
+    def s_fresh_weights():
+        """New random weights written on the trainer's stream right before an unverified sync:
+        an engine that read before those writes landed would disagree with the trainer's logits."""
+        g = torch.Generator(device=dev).manual_seed(1000 + rank)
+        with torch.no_grad():
+            for m in models:
+                for p in m.parameters():
+                    p.normal_(0.0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
+        timed_sync(103)
+
     def s_rx_logits():
         if rank == 0:
             client.call("save_logits", {"input_ids": ids, "file": f"{a.phase}_rx_synced.safetensors"})
@@ -421,8 +503,12 @@ def run_trainer(a) -> None:
         section("warmup", s_warmup)
         section("ceiling", s_ceiling)
         section("e2e", s_e2e)
+        if a.phase == "nccl":
+            section("wire_only", s_wire)
+            section("export_only", s_export_only)
         section("verify", s_verify)
         section("corrupt", s_corrupt)
+        section("fresh_weights", s_fresh_weights)
         section("rx_logits", s_rx_logits)
         if a.phase == "nccl" and not a.skip_baseline:
             section("baseline", s_baseline)
@@ -490,8 +576,13 @@ def summarize(r: dict) -> str:
     if i.get("e2e") and i.get("d2d_copy"):
         lines.append(f"CUDA IPC end-to-end / D2D copy: {i['e2e']['best_GBps'] / i['d2d_copy']['GBps']:.1%} "
                      f"(median {i['e2e']['median_GBps'] / i['d2d_copy']['GBps']:.1%})")
-    for g, d in n.get("e2e_by_gather", {}).items():
-        lines.append(f"NCCL end-to-end, expert gather={g}: best {d['best_GBps']:.1f} GB/s, median {d['median_GBps']:.1f}")
+    for d in n.get("nccl_sweep", []):
+        lines.append(f"NCCL {d['label']}: best {d['best_GBps']:.1f} GB/s, median {d['median_GBps']:.1f}")
+    if n.get("export_only"):
+        lines.append(f"NCCL phase, export alone (plan check + gather + pack, no transfer): best "
+                     f"{n['export_only']['best_GBps']:.1f} GB/s")
+    if n.get("wire_only"):
+        lines.append(f"NCCL protocol without the export (pre-packed buckets): best {n['wire_only']['best_GBps']:.1f} GB/s")
     if n.get("auto_gather"):
         lines.append(f"gather=auto used: {n['auto_gather']}")
     for d in i.get("ipc_sweep", []):

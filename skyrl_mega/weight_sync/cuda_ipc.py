@@ -11,7 +11,8 @@ so peak extra memory stays near one bucket whatever the model size. Buckets accu
 a "round" until it holds `round_bytes` (default 2 GiB) or the next bucket does not fit the
 staging buffer; then the round goes out: one update_weights call whose JSON names every
 tensor as (handle index, byte offset, dtype, shape) plus the IPC handles (torch's CUDA IPC
-reduction). Rounds are posted from a background thread, in order, so the engine copies round
+reduction) and a CUDA IPC event recorded after the sender's work for the round: the engine's
+stream waits on it, so neither side blocks its CPU on the other's GPU work. Rounds are posted from a background thread, in order, so the engine copies round
 k while the trainer walks the buckets of round k+1. A round that used the staging buffer is
 answered only after the engine's copies finished (device synchronised; "sync": true), and
 the staging buffer is refilled only after every such answer came back. The last round is
@@ -50,6 +51,8 @@ class CudaIpcTransport(BucketTransport):
         self._exe = ThreadPoolExecutor(max_workers=1)  # posts rounds in order
         self._inflight: list = []  # futures of posted rounds
         self._acc = 0  # bytes in the round being assembled
+        self._event = None  # CUDA IPC event recorded before each round (see _flush)
+        self._event_handle: str | None = None
         self.zero_copy = (self.device.type == "cuda") if zero_copy is None else bool(zero_copy)
         if self.zero_copy and self.device.type != "cuda":
             raise ValueError("zero-copy IPC needs CUDA (CPU tensors are not shareable in place)")
@@ -228,7 +231,13 @@ class CudaIpcTransport(BucketTransport):
             info["checksums"] = torch.cat(self._sums).cpu().tolist() if self._sums else []
             self._record_sent(info["checksums"])
         elif self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            # the engine's stream waits for our pending work (packing, the optimizer step) on the
+            # GPU: no CPU synchronisation here
+            if self._event is None:
+                self._event = torch.cuda.Event(interprocess=True)
+            self._event.record(torch.cuda.current_stream(self.device))
+            info["event"] = self._event_handle = self._event_handle or ipc_handles.encode_event(self._event)
+        self.timings.setdefault("first_round_at_s", t0 - self._t_start)
         info["sync"] = last or self.verify or self._uses_staging()
         try:
             if last:

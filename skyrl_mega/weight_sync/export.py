@@ -129,6 +129,7 @@ class BucketExporter:
         self._pool: SlotPool | None = None  # for non-zero stage leaders (their bucket before the send)
         self._direct_cache: dict = {}
         self._flat_cache: dict = {}
+        self._view_cache: dict = {}  # (vpp, name) -> ((data_ptr, shape, dtype), HF views); see _views
         self._index: ParamIndex | None = None
         self._flag_group = None
 
@@ -184,9 +185,14 @@ class BucketExporter:
 
         if mpu.get_expert_data_parallel_rank() != 0 or self._params is None:
             return {}
-        params = {(vpp, name): t for vpp, name, t in self._params}
-        return {b.index: [params[(b.experts.vpp, p.local_name)] for p in b.experts.params]
-                for b in self._plan.buckets if b.kind != "dense"}
+        pos = getattr(self, "_peer_pos", None)
+        if pos is None or pos[0] is not self._plan:  # positions in the ParamIndex order, per plan
+            where = {(vpp, name): i for i, (vpp, name, _) in enumerate(self._params)}
+            pos = self._peer_pos = (self._plan, {
+                b.index: [where[(b.experts.vpp, p.local_name)] for p in b.experts.params]
+                for b in self._plan.buckets if b.kind != "dense"})
+        params = self._params
+        return {b: [params[i][2] for i in idx] for b, idx in pos[1].items()}
 
     def _publish_peer(self) -> None:
         from megatron.core import parallel_state as mpu
@@ -320,10 +326,10 @@ class BucketExporter:
             if u.tp_sharded:
                 o, n = offs[u.local_name]
                 shards = [staging[i, o : o + n].view(p.dtype).view(p.shape) for i in range(len(ranks))]
-                full = self.impl._weight_merge_across_tp(u.global_name, shards, p)
+                outs = self.impl._weight_to_hf_format(u.global_name,
+                                                      self.impl._weight_merge_across_tp(u.global_name, shards, p))[1]
             else:
-                full = p.detach()
-            _, outs = self.impl._weight_to_hf_format(u.global_name, full)
+                outs = self._views(u, p)
             for pos, si in u.slots:
                 self._place(b.tensors[si], outs[pos], dest, layout, direct, p)
 
@@ -396,6 +402,21 @@ class BucketExporter:
                 _, outs = self.impl._weight_to_hf_format(name, full)
                 for si, o in zip(g.slots[mem[0]][pi], outs):
                     self._place(b.tensors[si], o, dest, layout, direct)
+
+    def _views(self, u, p: torch.Tensor) -> list[torch.Tensor]:
+        """The HF tensors of an unsharded parameter. When every one is a view of the parameter's
+        own memory (most conversions: identity, q/k/v split), the views are kept and reused
+        while the parameter stays where it is: no mbridge call on the next syncs. Anything
+        computed (not a view) is recomputed every sync."""
+        key = (u.vpp, u.local_name)
+        c = self._view_cache.get(key)
+        if c is not None and c[0] == (p.data_ptr(), p.shape, p.dtype):
+            return c[1]
+        outs = self.impl._weight_to_hf_format(u.global_name, p.detach())[1]
+        st = p.untyped_storage().data_ptr()
+        if all(o.untyped_storage().data_ptr() == st for o in outs):
+            self._view_cache[key] = ((p.data_ptr(), p.shape, p.dtype), outs)
+        return outs
 
     def _flats(self, key, local: list[torch.Tensor]) -> list[torch.Tensor]:
         """Flat views of one layer's local experts (rebuilt only when a tensor moved)."""

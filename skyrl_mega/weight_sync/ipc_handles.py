@@ -6,6 +6,8 @@ CUDA: torch's own CUDA IPC reduction (cudaIpcGetMemHandle of the allocation, plu
 producer's event so the consumer waits for pending writes), pickled and base64-encoded, as
 vLLM's IPC weight-transfer engine does. CPU (tests, dry runs): a file in /dev/shm that both
 processes map (torch.from_file(shared=True)).
+encode_event / wait_event: the producer's CUDA event, so the consumer's stream waits for the
+producer's pending writes on the GPU instead of the producer synchronising its CPU.
 """
 
 from __future__ import annotations
@@ -65,3 +67,24 @@ def decode(h: dict, device: torch.device | None = None) -> torch.Tensor:
             args[6] = device.index  # the consumer's ordinal of the same GPU
         return func(*args)
     return torch.from_file(h["path"], shared=True, size=int(h["nbytes"]), dtype=torch.uint8)
+
+
+def encode_event(event) -> str:
+    """A CUDA IPC event handle (bytes) as base64 text."""
+    return base64.b64encode(event.ipc_handle()).decode()
+
+
+_EVENTS: dict = {}
+
+
+def wait_event(handle: str | None, device: torch.device) -> None:
+    """Makes the current stream wait for the producer's event (opened once per handle).
+
+    The producer re-records one event before every round; a wait always sees its latest
+    record, i.e. at least the work of the round it came with, so it is never too early."""
+    if not handle or device.type != "cuda":
+        return
+    ev = _EVENTS.get(handle)
+    if ev is None:
+        ev = _EVENTS[handle] = torch.cuda.Event.from_ipc_handle(device, base64.b64decode(handle))
+    ev.wait(torch.cuda.current_stream(device))

@@ -131,6 +131,7 @@ class CopyPlan:
     def __init__(self):
         self.runs: list[list] = []  # [src_key, src_off, dst_flat, dst_start, numel, dtype, [(slot, nbytes)..]]
         self._bound: tuple | None = None
+        self._graph = None
 
     def add(self, src_key, src_off: int, dtype: torch.dtype, dst_flat: torch.Tensor, dst_start: int, numel: int,
             slot: int) -> None:
@@ -147,8 +148,11 @@ class CopyPlan:
     # runs at least this long are copied one copy_ (a memcpy) each; shorter ones together in one
     # _foreach_copy_ (one launch for many small tensors). Chosen by bench/weight_sync_bench.py.
     loop_min_bytes = 1 << 20
+    # on CUDA, record the copies once per set of source buffers as a CUDA graph and replay it:
+    # one launch instead of one per run (the receiver's CPU no longer paces the copies)
+    use_graphs = False
 
-    def bind(self, sources: dict[Any, torch.Tensor]) -> tuple[list, list, list]:
+    def bind(self, sources: dict[Any, torch.Tensor]) -> tuple:
         key = (tuple((k, v.data_ptr(), v.numel()) for k, v in sources.items()), self.loop_min_bytes)
         if self._bound is not None and self._bound[0] == key:
             return self._bound[1]
@@ -161,14 +165,32 @@ class CopyPlan:
                 dsts.append(d)
                 srcs.append(src)
         self._bound = (key, (big, dsts, srcs))
+        self._graph = None
         return self._bound[1]
 
-    def execute(self, sources: dict[Any, torch.Tensor]) -> None:
-        big, dsts, srcs = self.bind(sources)
+    @staticmethod
+    def _launch(big, dsts, srcs) -> None:
         for d, src in big:
             d.copy_(src)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+
+    def execute(self, sources: dict[Any, torch.Tensor]) -> None:
+        bound = self.bind(sources)
+        if not (self.use_graphs and self.runs and self.runs[0][2].is_cuda):
+            return self._launch(*bound)
+        g = getattr(self, "_graph", None)
+        if g is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._launch(*bound)  # warm-up (the real copy: replaying it below is harmless)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._launch(*bound)
+            self._graph = g
+        g.replay()
 
     def checksums(self, out: torch.Tensor, row_of: Callable[[int], int]) -> None:
         """Checksums of what landed in the destinations (read back), into out[row]."""

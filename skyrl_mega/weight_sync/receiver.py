@@ -234,6 +234,7 @@ class WeightReceiver:
         if len(self._ipc_open) > 4 * max(1, len(sources)) + 8:  # buffers the trainer no longer uses
             live = {ipc_handles.handle_key(h) for h in info["handles"]}
             self._ipc_open = {k: v for k, v in self._ipc_open.items() if k in live}
+        ipc_handles.wait_event(info.get("event"), self.device)  # the trainer's writes are done
         cp.execute(sources)
         got = None
         if info.get("verify"):

@@ -64,6 +64,7 @@ class SkyrlBucketUpdateInfo(WeightTransferUpdateInfo):
     round: int = 0
     last: bool = True
     sync: bool = True  # answer only after the copies finished (the trainer then reuses its buffer)
+    event: str | None = None  # the trainer's CUDA IPC event: wait for its writes on the GPU
     layout_id: str | None = None
     handles: list = field(default_factory=list)
     tensors: list | None = None
@@ -169,6 +170,7 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             entries = self._ipc_layouts.get(info.layout_id)
             if entries is None:
                 raise WeightSyncError(f"unknown IPC layout {info.layout_id} (the trainer resends it next sync)")
+        ipc_handles.wait_event(info.event, self.device)  # the trainer's writes are done
         weights, sums = [], []
         for name, dt, shape, h, off, nbytes, _ in entries:
             t = sources[h][off: off + nbytes].view(to_dtype(dt)).view(shape).clone()
