@@ -120,12 +120,14 @@ def run_receiver(a) -> None:
             save_file({"logits": lg}, os.path.join(a.out, file))
             return {"file": file}
 
-        def x_copy_mode(self, loop_min_bytes: int, use_graphs: bool = False) -> dict:
+        def x_copy_mode(self, loop_min_bytes: int, use_graphs: bool = False, strided: bool = False) -> dict:
             from skyrl_mega.weight_sync.protocol import CopyPlan
 
             CopyPlan.loop_min_bytes = int(loop_min_bytes)
             CopyPlan.use_graphs = bool(use_graphs)
-            return {"loop_min_bytes": CopyPlan.loop_min_bytes, "use_graphs": CopyPlan.use_graphs}
+            CopyPlan.strided = bool(strided)
+            return {"loop_min_bytes": CopyPlan.loop_min_bytes, "use_graphs": CopyPlan.use_graphs,
+                    "strided": CopyPlan.strided}
 
     if a.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(a.device))
@@ -303,12 +305,13 @@ def run_trainer(a) -> None:
                 "best_GBps": plan.total_bytes / best / 1e9, "median_GBps": plan.total_bytes / med / 1e9,
                 "metrics": res["last_metrics"]}
 
-    def copy_mode(loop_min, graphs):
+    def copy_mode(loop_min, graphs, strided):
         if rank == 0:
-            client.call("x_copy_mode", {"loop_min_bytes": loop_min, "use_graphs": graphs})
+            client.call("x_copy_mode", {"loop_min_bytes": loop_min, "use_graphs": graphs, "strided": strided})
 
-    def copies_label(loop_min, graphs):
-        return f"{'memcpy >= 1 MiB' if loop_min < 1 << 40 else 'foreach'}{', CUDA graph' if graphs else ''}"
+    def copies_label(loop_min, graphs, strided):
+        return (f"{'strided chains + ' if strided else ''}{'memcpy >= 1 MiB' if loop_min < 1 << 40 else 'foreach'}"
+                f"{', CUDA graph' if graphs else ''}")
 
     def set_slots(n):
         if rank == 0 and transport.num_slots != n:
@@ -317,41 +320,43 @@ def run_trainer(a) -> None:
             transport.pool.drain()
             transport.num_slots, transport.pool = n, SlotPool(dev, n=n)
 
+    MiB, NEVER = 1 << 20, 1 << 62
+
     def s_e2e():
         if a.phase == "nccl":
             # (gather, sender slots, receiver copies) variants, each measured here
-            variants = [("auto", 2, 1 << 20, False), ("auto", 3, 1 << 20, False), ("auto", 2, 1 << 20, True),
-                        ("nccl", 2, 1 << 20, False)] if world > 1 else [("auto", 2, 1 << 20, False)]
+            variants = [("auto", 3, MiB, False, False), ("auto", 3, MiB, True, True), ("auto", 2, MiB, True, True),
+                        ("nccl", 3, MiB, True, True)] if world > 1 else [("auto", 2, MiB, False, False)]
             runs = []
-            for g, slots, lm, gr in variants:
+            for g, slots, lm, gr, sd in variants:
                 set_slots(slots)
-                copy_mode(lm, gr)
-                runs.append(measure(f"gather={g}, {slots} sender slots, receiver {copies_label(lm, gr)}", g))
-                runs[-1]["config"] = [g, slots, lm, gr]
+                copy_mode(lm, gr, sd)
+                runs.append(measure(f"gather={g}, {slots} sender slots, receiver {copies_label(lm, gr, sd)}", g))
+                runs[-1]["config"] = [g, slots, lm, gr, sd]
             res["nccl_sweep"] = runs
             res["e2e_by_gather"] = {g: max((r for r in runs if r["config"][0] == g), key=lambda r: r["best_GBps"])
                                     for g in gathers}
             res["e2e"] = res["e2e_by_gather"]["auto"]
-            _, slots, lm, gr = res["e2e"]["config"]
+            _, slots, lm, gr, sd = res["e2e"]["config"]
             set_slots(slots)
-            copy_mode(lm, gr)
+            copy_mode(lm, gr, sd)
             return
         # co-located: IPC round size x the engine's copy mode, each measured here
         runs = []
-        for round_mb in a.ipc_round_mb:
-            for loop_min in (1 << 20, 1 << 62):
-                for graphs in (False, True):
-                    if rank == 0:
-                        transport.round_bytes = round_mb << 20
-                    copy_mode(loop_min, graphs)
-                    runs.append(measure(f"round {round_mb} MiB, copies {copies_label(loop_min, graphs)}"))
-                    runs[-1]["config"] = [round_mb, loop_min, graphs]
+        variants = [(r, lm, gr, sd) for r in a.ipc_round_mb for lm, gr, sd in
+                    ((MiB, True, False), (MiB, True, True), (NEVER, True, True), (MiB, False, True))]
+        for round_mb, loop_min, graphs, strided in variants:
+            if rank == 0:
+                transport.round_bytes = round_mb << 20
+            copy_mode(loop_min, graphs, strided)
+            runs.append(measure(f"round {round_mb} MiB, copies {copies_label(loop_min, graphs, strided)}"))
+            runs[-1]["config"] = [round_mb, loop_min, graphs, strided]
         res["ipc_sweep"] = runs
         res["e2e"] = max(runs, key=lambda r: r["best_GBps"])
-        round_mb, loop_min, graphs = res["e2e"]["config"]
+        round_mb, loop_min, graphs, strided = res["e2e"]["config"]
         if rank == 0:  # keep the best setting for the rest of the run
             transport.round_bytes = round_mb << 20
-        copy_mode(loop_min, graphs)
+        copy_mode(loop_min, graphs, strided)
 
     def s_export_only():
         """The export without the transport: plan check + gather + pack into two rotating buffers."""

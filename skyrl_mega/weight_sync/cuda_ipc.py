@@ -8,8 +8,9 @@ one device-to-device copy per byte. Tensors that need a gather or a conversion (
 other EP ranks' experts, the q/k/v split) are packed by the exporter into ONE staging buffer
 of about one bucket (`staging_bytes`, default the plan's bucket size or its largest bucket),
 so peak extra memory stays near one bucket whatever the model size. Buckets accumulate into
-a "round" until it holds `round_bytes` (default 2 GiB) or the next bucket does not fit the
-staging buffer; then the round goes out: one update_weights call whose JSON names every
+a "round" until it holds `round_bytes` (default: no limit), the expert buckets end (the dense
+ones after them cost the CPU conversions, which then overlap the engine's copies) or the
+next bucket does not fit the staging buffer; then the round goes out: one update_weights call whose JSON names every
 tensor as (handle index, byte offset, dtype, shape) plus the IPC handles (torch's CUDA IPC
 reduction) and a CUDA IPC event recorded after the sender's work for the round: the engine's
 stream waits on it, so neither side blocks its CPU on the other's GPU work. Rounds are posted from a background thread, in order, so the engine copies round
@@ -45,9 +46,9 @@ class CudaIpcTransport(BucketTransport):
     """Co-located engines: IPC handles to parameter storage + one staging buffer (see module doc)."""
 
     def __init__(self, control=None, receivers=(), *, zero_copy: bool | None = None,
-                 staging_bytes: int | None = None, round_bytes: int = 2 << 30, **kw):
+                 staging_bytes: int | None = None, round_bytes: int | None = None, **kw):
         super().__init__(control, receivers, **kw)
-        self.round_bytes = int(round_bytes)
+        self.round_bytes = int(round_bytes) if round_bytes else 1 << 62  # None: no size limit
         self._exe = ThreadPoolExecutor(max_workers=1)  # posts rounds in order
         self._inflight: list = []  # futures of posted rounds
         self._acc = 0  # bytes in the round being assembled
@@ -178,7 +179,10 @@ class CudaIpcTransport(BucketTransport):
         self._next += 1
         self._acc += b.nbytes
         self._check_inflight()
-        if self._acc >= self.round_bytes and self._next < len(self._plan.buckets):
+        nxt = self._plan.buckets[self._next] if self._next < len(self._plan.buckets) else None
+        # a round also ends where the expert buckets end: the engine copies them while the
+        # dense buckets (per-parameter conversions on the CPU) are walked
+        if nxt is not None and (self._acc >= self.round_bytes or (b.kind == "experts" and nxt.kind != "experts")):
             self._flush(last=False)
 
     def _check_inflight(self) -> None:

@@ -150,26 +150,85 @@ class CopyPlan:
     loop_min_bytes = 1 << 20
     # on CUDA, record the copies once per set of source buffers as a CUDA graph and replay it:
     # one launch instead of one per run (the receiver's CPU no longer paces the copies)
-    use_graphs = False
+    use_graphs = True
+    # runs of equal length whose destinations are back to back and whose sources sit at a constant
+    # stride (either sign: one layer's experts in a DDP buffer, or in a packed bucket) become one
+    # index_select into the destination block: a layer's gate_up / down experts in one kernel
+    strided = True
+    min_chain = 4
+
+    def _chains(self) -> tuple[list[tuple[list[list], int]], list[list]]:
+        """([(runs of one strided chain, source stride in bytes)], the other runs)."""
+        groups: dict = {}
+        for r in self.runs:
+            groups.setdefault((r[0], id(r[2]), r[4], r[5]), []).append(r)
+        chains, rest = [], []
+        for rs in groups.values():
+            rs = sorted(rs, key=lambda r: r[3])
+            i = 0
+            while i < len(rs):
+                j = i + 1
+                stride = rs[j][1] - rs[i][1] if j < len(rs) else 0
+                nbytes = rs[i][4] * rs[i][5].itemsize
+                while (j < len(rs) and rs[j][3] == rs[j - 1][3] + rs[j - 1][4] and rs[j][1] - rs[j - 1][1] == stride
+                       and abs(stride) >= nbytes):
+                    j += 1
+                if j - i >= self.min_chain:
+                    chains.append((rs[i:j], stride))
+                else:
+                    rest.extend(rs[i:j])
+                i = j
+        return chains, rest
+
+    @staticmethod
+    def _strided_views(chain: list[list], stride: int, sources) -> tuple | None:
+        """(dst [k, n], src [k, n] strided view, row index) in the widest element type that
+        divides every offset and length; None if no such view exists."""
+        first = chain[0]
+        k, n, dt, dst = len(chain), first[4], first[5], first[2]
+        nbytes = n * dt.itemsize
+        lo = min(r[1] for r in chain)
+        src = sources[first[0]]
+        dst_block = dst[first[3]: first[3] + k * n]
+        for w, edt in ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)):
+            if (nbytes % w or stride % w or (src.storage_offset() + lo) % w
+                    or (dst_block.storage_offset() * dst.element_size()) % w):
+                continue
+            s = src.view(torch.uint8)[lo: lo + (k - 1) * abs(stride) + nbytes].view(edt)
+            s2 = s.as_strided((k, nbytes // w), (abs(stride) // w, 1), s.storage_offset())
+            d2 = dst_block.view(torch.uint8).view(edt).view(k, nbytes // w)
+            rows = torch.arange(k, device=dst.device)
+            return d2, s2, rows if stride > 0 else rows.flip(0)
+        return None
 
     def bind(self, sources: dict[Any, torch.Tensor]) -> tuple:
-        key = (tuple((k, v.data_ptr(), v.numel()) for k, v in sources.items()), self.loop_min_bytes)
+        key = (tuple((k, v.data_ptr(), v.numel()) for k, v in sources.items()), self.loop_min_bytes, self.strided)
         if self._bound is not None and self._bound[0] == key:
             return self._bound[1]
+        chains, rest = self._chains() if self.strided else ([], self.runs)
+        strided = []
+        for chain, stride in chains:
+            v = self._strided_views(chain, stride, sources)
+            if v is None:
+                rest = rest + chain
+            else:
+                strided.append(v)
         big, dsts, srcs = [], [], []
-        for k, off, dst, start, n, dt, _ in self.runs:
+        for k, off, dst, start, n, dt, _ in rest:
             src, d = sources[k][off: off + n * dt.itemsize].view(dt), dst[start: start + n]
             if n * dt.itemsize >= self.loop_min_bytes:
                 big.append((d, src))
             else:
                 dsts.append(d)
                 srcs.append(src)
-        self._bound = (key, (big, dsts, srcs))
+        self._bound = (key, (strided, big, dsts, srcs))
         self._graph = None
         return self._bound[1]
 
     @staticmethod
-    def _launch(big, dsts, srcs) -> None:
+    def _launch(strided, big, dsts, srcs) -> None:
+        for d2, s2, rows in strided:
+            torch.index_select(s2, 0, rows, out=d2)
         for d, src in big:
             d.copy_(src)
         if dsts:
@@ -179,17 +238,24 @@ class CopyPlan:
         bound = self.bind(sources)
         if not (self.use_graphs and self.runs and self.runs[0][2].is_cuda):
             return self._launch(*bound)
-        g = getattr(self, "_graph", None)
+        g = self._graph
         if g is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._launch(*bound)  # warm-up (the real copy: replaying it below is harmless)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._launch(*bound)
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._launch(*bound)  # warm-up (the real copy: replaying it below is harmless)
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self._launch(*bound)
+            except Exception as e:  # a graph is an optimisation: copy directly instead
+                logger.warning("CUDA graph capture of the weight copies failed (%s); copying directly", e)
+                self._graph = False
+                return self._launch(*bound)
             self._graph = g
+        if g is False:
+            return self._launch(*bound)
         g.replay()
 
     def checksums(self, out: torch.Tensor, row_of: Callable[[int], int]) -> None:

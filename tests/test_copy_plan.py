@@ -1,0 +1,57 @@
+"""CopyPlan (weight_sync/protocol.py): the receiver's unpack copies against a per-tensor reference.
+
+The layouts are the ones a receiver meets: a Megatron DDP buffer (experts in descending
+address order, fc1/fc2 interleaved: the sources of one kind sit at a negative stride), a
+packed bucket (ascending), odd sizes that force narrow element types, and short runs.
+Every mode (strided index_select, memcpy loop, _foreach_copy_) must land exactly the
+bytes a tensor-by-tensor copy lands.
+"""
+
+import pytest
+import torch
+
+from skyrl_mega.weight_sync.protocol import CopyPlan
+
+
+def _layout(E: int, n1: int, n2: int, descending: bool, pad: int = 0):
+    """Byte offsets of (fc1, fc2) per expert in a source buffer of bf16 elements."""
+    pair = (n1 + n2 + pad) * 2
+    offs = []
+    for e in range(E):
+        slot = (E - 1 - e) if descending else e
+        offs.append((slot * pair, slot * pair + n1 * 2))
+    return offs, E * pair
+
+
+@pytest.mark.parametrize("descending", [True, False])
+@pytest.mark.parametrize("n1,n2,pad", [(64, 32, 0), (66, 33, 3), (4096, 2048, 64)])
+@pytest.mark.parametrize("mode", ["strided", "memcpy", "foreach"])
+def test_copy_plan_matches_per_tensor_copies(descending, n1, n2, pad, mode, monkeypatch):
+    E = 8
+    offs, total = _layout(E, n1, n2, descending, pad)
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (total + 64,), dtype=torch.uint8, generator=g)
+    gate_up = torch.zeros(E, n1, dtype=torch.bfloat16)  # destination "parameters"
+    down = torch.zeros(E, n2, dtype=torch.bfloat16)
+    gu_flat, down_flat = gate_up.view(-1), down.view(-1)  # one flat view per parameter, as receivers keep
+    cp = CopyPlan()
+    slot = 0
+    for e, (o1, o2) in enumerate(offs):  # the order a sender lists them: expert by expert
+        cp.add("s", o1, torch.bfloat16, gu_flat, e * n1, n1, slot)
+        cp.add("s", o2, torch.bfloat16, down_flat, e * n2, n2, slot + 1)
+        slot += 2
+    cp.add("s", total, torch.bfloat16, torch.zeros(8, dtype=torch.bfloat16), 0, 8, slot)  # a short, lone run
+    monkeypatch.setattr(CopyPlan, "strided", mode == "strided")
+    monkeypatch.setattr(CopyPlan, "loop_min_bytes", 1 if mode == "memcpy" else 1 << 62)
+    cp.execute({"s": src})
+    for e, (o1, o2) in enumerate(offs):
+        assert torch.equal(gate_up[e].view(torch.uint8), src[o1: o1 + n1 * 2]), e
+        assert torch.equal(down[e].view(torch.uint8), src[o2: o2 + n2 * 2]), e
+    strided = cp.bind({"s": src})[0]
+    assert len(strided) == (2 if mode == "strided" else 0)
+    # a second execute with new source bytes reuses the bound views and lands the new bytes
+    src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8, generator=g))
+    cp.execute({"s": src})
+    o1, o2 = offs[3]
+    assert torch.equal(gate_up[3].view(torch.uint8), src[o1: o1 + n1 * 2])
+    assert torch.equal(down[3].view(torch.uint8), src[o2: o2 + n2 * 2])
