@@ -1,7 +1,8 @@
 """Weight sync from Megatron to the rollout engines (bucketing + transports).
 
-    sync_weights(bridge, models, transport, version, bucket_bytes)   the trainer's one call
+    sync_weights(bridge, models, transport, version, bucket_bytes, gather)   the trainer's one call
     BucketExporter / get_exporter / export_hf_state_dict              coalesced HF export (export.py)
+    PeerExpertGather                                                  intra-node EP gather over CUDA IPC (peer_gather.py)
     build_plan / BucketPlan                                           bucket plan (plan.py)
     NcclBroadcastTransport                                            NCCL / gloo broadcast (nccl.py)
     CudaIpcTransport                                                  co-located CUDA IPC (cuda_ipc.py)
