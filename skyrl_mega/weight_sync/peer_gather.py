@@ -12,8 +12,10 @@ Here members launch no work during a sync at all (the reads run on the leader as
 over NVLink); they only synchronise their streams before (their parameters are final) and wait
 on a CPU barrier after (the leader finished reading).
 
-Used when every member of the group is on the leader's host, on CUDA, and sees the same GPUs
-(matched by device UUID); otherwise export.py keeps the NCCL gather. Handles are exchanged as
+Used (export.py, gather="auto") when every trainer rank runs on one host with CUDA, with one
+pipeline stage and ETP=1, and the leader can open every member's GPU (matched by device UUID);
+otherwise export.py keeps the NCCL gather. Multi-node jobs therefore use NCCL even for
+node-local EP groups (a per-group check would lift that). Handles are exchanged as
 JSON bytes over a gloo group (`ipc_handles.encode`).
 """
 
