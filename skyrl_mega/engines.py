@@ -42,7 +42,8 @@ class RolloutEngines:
         if not r.external_urls:
             server_cfg = ServerConfig(model=cfg.model.path, dtype=r.dtype, max_model_len=r.max_model_len,
                                       kv_cache_gib=r.kv_cache_gib, seed=r.seed,
-                                      return_routed_experts=self.routes, device=self.plan.device)
+                                      return_routed_experts=self.routes, device=self.plan.device,
+                                      extra_args=self.plan.server_args())
         self.servers = ServerManager(server_cfg, num_servers=r.num_servers, external_urls=r.external_urls or None,
                                      log_dir=self.log_dir, startup_timeout_s=r.startup_timeout_s, watch=False)
         self.router: RouterProcess | None = None
@@ -72,11 +73,15 @@ class RolloutEngines:
         return self.router.url if self.router is not None else self.servers.urls[0]
 
     def restart_dead(self) -> list[int]:
-        """Restarts crashed servers (they come back with the checkpoint's weights: re-sync!)."""
+        """Restarts crashed servers (they come back with the checkpoint's weights: re-sync!).
+        A bucketed transport then forms its transfer group anew at the next sync (the
+        restarted servers join it; the others leave the old one)."""
         restarted = self.servers.check()
         if restarted and self.router is not None:
             self.router.stop()
             self.router = RouterProcess(self.servers.urls, log_dir=self.log_dir).start()
+        if restarted and hasattr(self.transport, "reset"):
+            self.transport.reset()
         return restarted
 
     # -- placement ----------------------------------------------------------------------------

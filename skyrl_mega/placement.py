@@ -8,6 +8,11 @@ Out: a PlacementPlan. Nothing else in the loop branches on placement.
 | colocated     | GPU    | cuda_ipc               | sleep (level 1 or 2)    |
 | disaggregated | GPU    | nccl                   | keep running            |
 | either        | CPU    | shm (safetensors)      | keep running (no-op)    |
+
+`rollout.weight_transport` overrides the transport column (auto = the table). The bucketed
+transports (nccl, cuda_ipc) need the engines to run vLLM's weight-transfer backend
+"skyrl_bucket": `server_args()` gives the vLLM flag. On CPU, nccl runs its protocol over gloo
+and cuda_ipc over /dev/shm files.
 """
 
 from __future__ import annotations
@@ -42,13 +47,26 @@ class PlacementPlan:
         module, cls = TRANSPORTS[self.transport].split(":")
         return getattr(importlib.import_module(module), cls)(control)
 
+    def server_args(self) -> list[str]:
+        """vLLM server flags this transport needs."""
+        if self.transport in ("nccl", "cuda_ipc"):
+            import json
+
+            return ["--weight-transfer-config", json.dumps({"backend": "skyrl_bucket"})]
+        return []
+
 
 def plan_placement(placement: str, rollout_cfg, cuda: bool | None = None) -> PlacementPlan:
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if placement not in ("colocated", "disaggregated"):
         raise ValueError(f"placement must be colocated or disaggregated, got {placement!r}")
+    want = getattr(rollout_cfg, "weight_transport", "auto") or "auto"
+    if want != "auto" and want not in TRANSPORTS:
+        raise ValueError(f"rollout.weight_transport must be auto or one of {sorted(TRANSPORTS)}, got {want!r}")
     if not cuda:
-        return PlacementPlan(placement, "cpu", "shm", None)
+        return PlacementPlan(placement, "cpu", "shm" if want == "auto" else want, None)
+    if want == "shm":
+        raise ValueError("rollout.weight_transport=shm is the CPU transport; on GPUs use nccl or cuda_ipc")
     if placement == "colocated":
-        return PlacementPlan(placement, "gpu", "cuda_ipc", rollout_cfg.sleep_level)
-    return PlacementPlan(placement, "gpu", "nccl", None)
+        return PlacementPlan(placement, "gpu", "cuda_ipc" if want == "auto" else want, rollout_cfg.sleep_level)
+    return PlacementPlan(placement, "gpu", "nccl" if want == "auto" else want, None)

@@ -24,6 +24,7 @@ def test_tiny_recipe_is_valid(tiny_qwen3_moe):
     (["parallel.tp=2", "parallel.ep=1", "parallel.sequence_parallel=false"], 2, "needs sequence parallel"),
     (["parallel.pp=3", "parallel.ep=1"], 3, "4 layers are not divisible by parallel.pp=3"),
     (["model.dtype=float16"], 2, "model.dtype='float16' is not one of"),
+    (["rollout.weight_transport=rdma"], 2, "rollout.weight_transport='rdma' is not one of"),
 ])
 def test_bad_parallel_layouts(tiny_qwen3_moe, overrides, world, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*").replace("(", r"\(")):

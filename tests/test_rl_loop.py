@@ -3,7 +3,9 @@
 - the tiny demo learns (reward last 5 >= 3x first 5 and > 0.5), logprob diff < 1e-3, R3 100%;
 - killing the run after a checkpoint and resuming reproduces the uninterrupted run exactly;
 - killing the vLLM server mid-run: the step is retried on a restarted server and the run
-  completes with the uninterrupted run's rewards and losses.
+  completes with the uninterrupted run's rewards and losses;
+- the same with the bucketed broadcast transport (rollout.weight_transport=nccl, over gloo):
+  the restarted server joins a newly formed transfer group.
 """
 
 import json
@@ -148,3 +150,29 @@ def test_ctrl_c_stops_every_process_and_keeps_the_last_checkpoint(tiny_qwen3_moe
     latest = find_latest(str(out / "checkpoints"))
     assert latest is not None and verify_checkpoint(latest) is None
     assert int(latest.rsplit("_", 1)[-1]) >= 2
+
+
+def test_bucketed_broadcast_transport_rejoins_a_restarted_server(short, tiny_qwen3_moe):
+    """rollout.weight_transport=nccl on CPU: every sync runs the packed-bucket broadcast protocol
+    over a gloo transfer group into the vLLM server's "skyrl_bucket" backend. A server killed
+    mid-run is restarted, the trainer forms a new transfer group that it joins, and the run
+    equals the uninterrupted (shm transport) run."""
+    root, reference = short
+    out = root / "broadcast_killed"
+    proc = _start(_args(tiny_qwen3_moe, out, **{"train.steps": 6, "rollout.weight_transport": "nccl"}),
+                  root / "bk.log")
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(_metrics(out)) >= 2, proc, 600, "step 2")
+    log = open(out / "engine_logs" / "vllm_server_0.log").read()
+    assert "skyrl_bucket: joined the transfer group" in log
+    pid = int(re.search(r"APIServer pid=(\d+)", log).group(1))
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, open(root / "bk.log").read()[-3000:]
+    text = open(root / "bk.log").read()
+    assert "restarted servers [0]" in text and "transport=nccl" in text
+    # the log is appended to: the restarted server joined a transfer group too
+    assert open(out / "engine_logs" / "vllm_server_0.log").read().count("skyrl_bucket: joined the transfer group") >= 2
+    got = _metrics(out)
+    assert [r["step"] for r in got] == list(range(6))
+    for a, b in zip(got, reference):
+        for key in COMPARE:
+            assert a[key] == b[key], (a["step"], key)

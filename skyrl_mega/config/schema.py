@@ -98,6 +98,10 @@ class RolloutConfig:
     max_step_retries: int = 3  # a step whose rollout fails (e.g. a server died) is retried
     max_concurrency: int = 64
     sleep_level: int = 1  # colocated GPU placement: engines sleep during training (1 or 2)
+    # trainer -> engine weights: auto (the placement's: cuda_ipc colocated / nccl disaggregated on
+    # GPU, shm on CPU) | shm | nccl | cuda_ipc. nccl and cuda_ipc also run on CPU (gloo and
+    # /dev/shm) through the same vLLM "skyrl_bucket" backend: that is how CPU boxes test them.
+    weight_transport: str = "auto"
     log_dir: Optional[str] = None  # default: <output_dir>/engine_logs
 
 

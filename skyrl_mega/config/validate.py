@@ -15,6 +15,7 @@ CHOICES = {
     "model.spec": ("auto", "te", "local"),
     "optim.lr_decay_style": ("constant", "cosine"),
     "placement": ("colocated", "disaggregated"),
+    "rollout.weight_transport": ("auto", "shm", "nccl", "cuda_ipc"),
 }
 
 

@@ -39,7 +39,7 @@ import logging
 import os
 import time
 
-logger = logging.getLogger("skyrl_mega.vllm_plugin")
+logger = logging.getLogger("vllm.skyrl_plugin")  # runs inside vLLM: through its log handlers
 
 _FIX_INSTALLED = False
 _FIX_ENABLED = True  # tests switch it off (skyrl_set_moe_reload_fix) to show the bug is real

@@ -296,6 +296,13 @@ class CudaIpcTransport(BucketTransport):
     def _data_done(self) -> bool:
         return True
 
+    def reset(self) -> None:
+        """An engine was restarted: tell every engine the mode again and resend full layouts."""
+        self._inited = False
+        self._layouts, self._layout_plan, self._inflight = {}, None, []
+        if self.http is not None:
+            self.http._sizes = None
+
     def close(self) -> None:
         super().close()
         self._exe.shutdown(wait=False)

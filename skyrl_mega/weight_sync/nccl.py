@@ -55,6 +55,7 @@ class NcclBroadcastTransport(BucketTransport):
         self._cs = None
         self.last_digest: str | None = None
         self._sent_plan: str | None = None  # plan_id the receivers hold (sent once, reused)
+        self._generation = 0  # bumped by reset(): every re-formed transfer group gets a new name
 
     @property
     def world_size(self) -> int:
@@ -67,15 +68,17 @@ class NcclBroadcastTransport(BucketTransport):
         t0 = time.perf_counter()
         store = self._open_store()
         world = self.world_size
+        group = f"skyrl_ws_pg{self._generation}"
         info = {"mode": "broadcast", "comm_backend": self.comm_backend, "master_address": self.master_address,
-                "master_port": int(self.master_port), "world_size": world, "timeout_s": self.timeout_s}
+                "master_port": int(self.master_port), "world_size": world, "timeout_s": self.timeout_s,
+                "group": group}
         futs, off = [], 1
         for c in self.clients:
             futs.append(self._exe.submit(c.init, info, off))
             off += c.num_ranks()
         try:
             self.comm = Communicator(self.comm_backend, self.master_address, self.master_port, 0, world,
-                                     self.timeout_s, self.device, store=store)
+                                     self.timeout_s, self.device, store=store, group=group)
         finally:
             errs = []
             for f in futs:
@@ -211,6 +214,17 @@ class NcclBroadcastTransport(BucketTransport):
         self._data_done = True
         self._sent_plan = None
         self._leave_paused()
+
+    def reset(self) -> None:
+        """Forget the transfer group (an engine was restarted): the next sync forms a new one,
+        which the restarted engines join and the surviving ones re-join."""
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        self._futs, self._sent_plan = [], None
+        self._generation += 1
+        if self.http is not None:
+            self.http._sizes = None
 
     def close(self) -> None:
         super().close()

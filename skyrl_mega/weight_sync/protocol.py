@@ -82,7 +82,8 @@ class Communicator:
     Rank 0 (the trainer sender) hosts the TCPStore unless a store is passed in."""
 
     def __init__(self, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                 timeout_s: float = 600.0, device: torch.device | str | None = None, store=None):
+                 timeout_s: float = 600.0, device: torch.device | str | None = None, store=None,
+                 group: str = "skyrl_ws_pg"):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"comm backend must be gloo or nccl, got {backend!r}")
         self.backend, self.rank, self.world_size = backend, rank, world_size
@@ -92,7 +93,7 @@ class Communicator:
             store = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout,
                                   wait_for_workers=False)
         self.store = store
-        prefixed = dist.PrefixStore("skyrl_ws_pg", store)
+        prefixed = dist.PrefixStore(group, store)  # a new name per re-formed group (same store)
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         else:

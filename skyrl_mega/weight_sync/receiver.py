@@ -129,11 +129,15 @@ class WeightReceiver:
     # -- the four calls ------------------------------------------------------------------------------
     def init_weight_transfer_engine(self, init_info: dict, store=None) -> dict:
         self.mode = init_info.get("mode", "broadcast")
+        if self.comm is not None:  # the trainer re-formed the group: leave the old one
+            self.comm.close()
+            self.comm = None
         if self.mode == "broadcast":
             rank = int(init_info["rank_offset"]) + int(init_info.get("index", 0))
             self.comm = Communicator(init_info["comm_backend"], init_info["master_address"],
                                      int(init_info["master_port"]), rank, int(init_info["world_size"]),
-                                     float(init_info.get("timeout_s", 600)), self.device, store=store)
+                                     float(init_info.get("timeout_s", 600)), self.device, store=store,
+                                     group=init_info.get("group", "skyrl_ws_pg"))
         elif self.mode != "ipc":
             raise ValueError(f"unknown transfer mode {self.mode!r}")
         return {"mode": self.mode, "rank": self.comm.rank if self.comm else None}

@@ -34,7 +34,7 @@ from . import ipc_handles
 from .plan import to_dtype
 from .protocol import Communicator, ReceiveSink, receive_sync
 
-logger = logging.getLogger("skyrl_mega.weight_sync.vllm_engine")
+logger = logging.getLogger("vllm.skyrl_bucket")  # runs inside vLLM: through its log handlers
 
 BACKEND_NAME = "skyrl_bucket"
 
@@ -50,6 +50,7 @@ class SkyrlBucketInitInfo(WeightTransferInitInfo):
     timeout_s: float = 600.0
     device: str | None = None
     device_uuid: str | None = None
+    group: str = "skyrl_ws_pg"  # the transfer group's name (a re-formed group has a new one)
 
 
 @dataclass
@@ -102,6 +103,9 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         self._ipc_open: dict = {}
 
     def init_transfer_engine(self, init_info: SkyrlBucketInitInfo) -> None:
+        if self.comm is not None:  # the trainer re-formed the group: leave the old one
+            self.comm.close()
+            self.comm = None
         self.mode = init_info.mode
         if self.mode == "ipc":
             return
@@ -112,7 +116,8 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         rank = int(init_info.rank_offset) + worker_rank
         dev = self.device if init_info.comm_backend == "nccl" else torch.device("cpu")
         self.comm = Communicator(init_info.comm_backend, init_info.master_address, int(init_info.master_port),
-                                 rank, int(init_info.world_size), float(init_info.timeout_s), dev)
+                                 rank, int(init_info.world_size), float(init_info.timeout_s), dev,
+                                 group=init_info.group)
         logger.info("skyrl_bucket: joined the transfer group as rank %d/%d (%s)", rank, init_info.world_size,
                     init_info.comm_backend)
 
