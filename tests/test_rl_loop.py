@@ -5,7 +5,9 @@
 - killing the vLLM server mid-run: the step is retried on a restarted server and the run
   completes with the uninterrupted run's rewards and losses;
 - the same with the bucketed broadcast transport (rollout.weight_transport=nccl, over gloo):
-  the restarted server joins a newly formed transfer group.
+  the restarted server joins a newly formed transfer group;
+- the co-located protocol (rollout.weight_transport=cuda_ipc, over /dev/shm on CPU) gives the
+  same run as the shm transport.
 """
 
 import json
@@ -174,5 +176,21 @@ def test_bucketed_broadcast_transport_rejoins_a_restarted_server(short, tiny_qwe
     got = _metrics(out)
     assert [r["step"] for r in got] == list(range(6))
     for a, b in zip(got, reference):
+        for key in COMPARE:
+            assert a[key] == b[key], (a["step"], key)
+
+
+def test_cuda_ipc_protocol_on_cpu_matches_the_shm_transport(short, tiny_qwen3_moe):
+    """rollout.weight_transport=cuda_ipc on CPU: the co-located protocol (rounds of packed
+    tensors named by handle and offset, here /dev/shm files instead of CUDA IPC handles) into the
+    vLLM server's "skyrl_bucket" backend gives the same run as the shm transport."""
+    root, reference = short
+    out = root / "ipc"
+    run_torchrun("skyrl_mega.trainer", 2, _args(tiny_qwen3_moe, out, **{
+        "train.steps": 3, "rollout.weight_transport": "cuda_ipc"}), timeout=600, log_file=str(root / "ipc.log"))
+    assert "transport=cuda_ipc" in open(root / "ipc.log").read()
+    got = _metrics(out)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    for a, b in zip(got, reference[:3]):
         for key in COMPARE:
             assert a[key] == b[key], (a["step"], key)
