@@ -56,6 +56,21 @@ def _start(args, log):
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 
 
+def _kill_server_after_step_2(out, proc) -> str:
+    """SIGKILL the vLLM server once two steps are logged; returns its log up to then."""
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(_metrics(out)) >= 2, proc, 600, "step 2")
+    log = open(out / "engine_logs" / "vllm_server_0.log").read()
+    os.kill(int(re.search(r"APIServer pid=(\d+)", log).group(1)), signal.SIGKILL)
+    return log
+
+
+def _assert_same_run(got, reference, steps):
+    assert [r["step"] for r in got] == list(range(steps))
+    for a, b in zip(got, reference[:steps]):
+        for key in COMPARE:
+            assert a[key] == b[key], (a["step"], key)
+
+
 @pytest.fixture(scope="module")
 def short(tiny_qwen3_moe, tmp_path_factory):
     """Uninterrupted 6-step run, checkpoint every 3 steps."""
@@ -103,19 +118,12 @@ def test_vllm_server_killed_mid_run_is_restarted_and_run_completes(short, tiny_q
     root, reference = short
     out = root / "server_killed"
     proc = _start(_args(tiny_qwen3_moe, out, **{"train.steps": 6}), root / "sk.log")
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(_metrics(out)) >= 2, proc, 600, "step 2")
-    log = open(out / "engine_logs" / "vllm_server_0.log").read()
-    pid = int(re.search(r"APIServer pid=(\d+)", log).group(1))
-    os.kill(pid, signal.SIGKILL)
+    _kill_server_after_step_2(out, proc)
     assert proc.wait(timeout=600) == 0, open(root / "sk.log").read()[-3000:]
     text = open(root / "sk.log").read()
     # the kill lands in a rollout or in a weight sync; either is retried on the restarted server
     assert ("rollout failed" in text or "weight sync" in text) and "restarted servers [0]" in text
-    got = _metrics(out)
-    assert [r["step"] for r in got] == list(range(6))
-    for a, b in zip(got, reference):
-        for key in COMPARE:
-            assert a[key] == b[key], (a["step"], key)
+    _assert_same_run(_metrics(out), reference, 6)
 
 
 def test_ctrl_c_stops_every_process_and_keeps_the_last_checkpoint(tiny_qwen3_moe, tmp_path):
@@ -163,21 +171,18 @@ def test_bucketed_broadcast_transport_rejoins_a_restarted_server(short, tiny_qwe
     out = root / "broadcast_killed"
     proc = _start(_args(tiny_qwen3_moe, out, **{"train.steps": 6, "rollout.weight_transport": "nccl"}),
                   root / "bk.log")
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(_metrics(out)) >= 2, proc, 600, "step 2")
-    log = open(out / "engine_logs" / "vllm_server_0.log").read()
+    log = _kill_server_after_step_2(out, proc)
     assert "skyrl_bucket: joined the transfer group" in log
-    pid = int(re.search(r"APIServer pid=(\d+)", log).group(1))
-    os.kill(pid, signal.SIGKILL)
     assert proc.wait(timeout=600) == 0, open(root / "bk.log").read()[-3000:]
     text = open(root / "bk.log").read()
-    assert "restarted servers [0]" in text and "transport=nccl" in text
-    # the log is appended to: the restarted server joined a transfer group too
-    assert open(out / "engine_logs" / "vllm_server_0.log").read().count("skyrl_bucket: joined the transfer group") >= 2
-    got = _metrics(out)
-    assert [r["step"] for r in got] == list(range(6))
-    for a, b in zip(got, reference):
-        for key in COMPARE:
-            assert a[key] == b[key], (a["step"], key)
+    try:
+        assert "restarted servers [0]" in text and "transport=nccl" in text
+        # the log is appended to: the restarted server joined a transfer group too
+        engine_log = open(out / "engine_logs" / "vllm_server_0.log").read()
+        assert engine_log.count("skyrl_bucket: joined the transfer group") >= 2
+        _assert_same_run(_metrics(out), reference, 6)
+    except AssertionError as e:  # where the kill landed decides the path: show it
+        raise AssertionError(f"{e}\n--- trainer log tail ---\n{text[-4000:]}") from e
 
 
 def test_cuda_ipc_protocol_on_cpu_matches_the_shm_transport(short, tiny_qwen3_moe):
@@ -189,8 +194,4 @@ def test_cuda_ipc_protocol_on_cpu_matches_the_shm_transport(short, tiny_qwen3_mo
     run_torchrun("skyrl_mega.trainer", 2, _args(tiny_qwen3_moe, out, **{
         "train.steps": 3, "rollout.weight_transport": "cuda_ipc"}), timeout=600, log_file=str(root / "ipc.log"))
     assert "transport=cuda_ipc" in open(root / "ipc.log").read()
-    got = _metrics(out)
-    assert [r["step"] for r in got] == [0, 1, 2]
-    for a, b in zip(got, reference[:3]):
-        for key in COMPARE:
-            assert a[key] == b[key], (a["step"], key)
+    _assert_same_run(_metrics(out), reference, 3)

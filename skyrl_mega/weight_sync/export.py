@@ -130,6 +130,7 @@ class BucketExporter:
         self._direct_cache: dict = {}
         self._flat_cache: dict = {}
         self._view_cache: dict = {}  # (vpp, name) -> ((data_ptr, shape, dtype), HF views); see _views
+        self._peer_pos = None  # (plan, bucket -> positions of its experts in the ParamIndex order)
         self._index: ParamIndex | None = None
         self._flag_group = None
 
@@ -185,7 +186,7 @@ class BucketExporter:
 
         if mpu.get_expert_data_parallel_rank() != 0 or self._params is None:
             return {}
-        pos = getattr(self, "_peer_pos", None)
+        pos = self._peer_pos
         if pos is None or pos[0] is not self._plan:  # positions in the ParamIndex order, per plan
             where = {(vpp, name): i for i, (vpp, name, _) in enumerate(self._params)}
             pos = self._peer_pos = (self._plan, {

@@ -119,22 +119,20 @@ def main():
                 client.call("save_logits", {"input_ids": fixed_ids().tolist(), "file": "receiver_v1.safetensors"})
                 results["report_v1"] = client.call("report")[0]
                 results["sender_digest_v1"] = transport.last_digest
+            def failing_sync(hook, bucket, version, name):
+                """A sync with a test hook set on `bucket`; records the error and the receiver's report."""
+                if rank == 0:
+                    setattr(transport, hook, bucket)
+                expect_failure(lambda: sync_weights(bridge, models, transport, version=version,
+                                                    bucket_bytes=BUCKET), results, f"{name}_error")
+                if rank == 0:
+                    setattr(transport, hook, None)
+                    results[f"report_after_{name}"] = client.call("report")[0]
+
             # 3) a corrupted bucket: verification catches it, the receiver keeps version 1
-            if rank == 0:
-                transport.corrupt_bucket = 2
-            expect_failure(lambda: sync_weights(bridge, models, transport, version=2, bucket_bytes=BUCKET),
-                           results, "corrupt_error")
-            if rank == 0:
-                transport.corrupt_bucket = None
-                results["report_after_corrupt"] = client.call("report")[0]
+            failing_sync("corrupt_bucket", 2, 2, "corrupt")
             # 4) a sync that dies half-way: the receiver keeps version 1
-            if rank == 0:
-                transport.fail_at_bucket = 3
-            expect_failure(lambda: sync_weights(bridge, models, transport, version=3, bucket_bytes=BUCKET),
-                           results, "abort_error")
-            if rank == 0:
-                transport.fail_at_bucket = None
-                results["report_after_abort"] = client.call("report")[0]
+            failing_sync("fail_at_bucket", 3, 3, "abort")
             # 5) new parameter tensors (same names/shapes): the next sync sends the new values
             with torch.no_grad():
                 for m_ in models:
