@@ -219,26 +219,36 @@ def run_trainer(a) -> None:
             transport.pool.drain()
             transport.num_slots, transport.pool = n, SlotPool(dev, n=n)
 
+    def set_copier(name):
+        """How the leader's peer reads are enqueued (peer_gather.PeerExpertGather.copier)."""
+        peer = get_exporter(bridge, models, bucket, "auto")._peer
+        if peer is not None and name != "-":
+            peer.copier = name
+
     MiB, NEVER = 1 << 20, 1 << 62
 
     def s_e2e():
         if a.phase == "nccl":
-            # (gather, sender slots, receiver copies) variants, each measured here
-            variants = [("auto", 3, MiB, False, False), ("auto", 3, MiB, True, True), ("auto", 2, MiB, True, True),
-                        ("nccl", 3, MiB, True, True)] if world > 1 else [("auto", 2, MiB, False, False)]
+            # (gather, sender slots, receiver copies, leader's peer copies) variants, each measured here
+            variants = [("auto", 3, MiB, True, True, "driver"), ("auto", 3, MiB, True, True, "torch"),
+                        ("auto", 3, MiB, False, False, "driver"), ("auto", 2, MiB, True, True, "driver"),
+                        ("nccl", 3, MiB, True, True, "-")] if world > 1 else [("auto", 2, MiB, False, False, "-")]
             runs = []
-            for g, slots, lm, gr, sd in variants:
+            for g, slots, lm, gr, sd, cp in variants:
                 set_slots(slots)
                 copy_mode(lm, gr, sd)
-                runs.append(measure(f"gather={g}, {slots} sender slots, receiver {copies_label(lm, gr, sd)}", g))
-                runs[-1]["config"] = [g, slots, lm, gr, sd]
+                set_copier(cp)
+                runs.append(measure(f"gather={g}, {slots} sender slots, receiver {copies_label(lm, gr, sd)}"
+                                    + (f", peer copies {cp}" if cp != "-" else ""), g))
+                runs[-1]["config"] = [g, slots, lm, gr, sd, cp]
             res["nccl_sweep"] = runs
             res["e2e_by_gather"] = {g: max((r for r in runs if r["config"][0] == g), key=lambda r: r["best_GBps"])
                                     for g in gathers}
             res["e2e"] = res["e2e_by_gather"]["auto"]
-            _, slots, lm, gr, sd = res["e2e"]["config"]
+            _, slots, lm, gr, sd, cp = res["e2e"]["config"]
             set_slots(slots)
             copy_mode(lm, gr, sd)
+            set_copier(cp)
             return
         # co-located: IPC round size x the engine's copy mode, each measured here
         runs = []

@@ -42,3 +42,23 @@ def test_weight_sync_nccl_and_ipc_on_gpus(tmp_path):
         assert r["logits_after_sync"]["pass"], (phase, r["logits_after_sync"])
         assert r["logits_before_sync"]["cosine"] < 0.9, (phase, r["logits_before_sync"])
     assert res["nccl"]["auto_gather"].startswith("ipc"), res["nccl"]["auto_gather"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_driver_peer_copy_equals_the_source_and_runs_on_the_destination_stream():
+    from skyrl_mega.weight_sync import cuda_copy
+
+    assert cuda_copy.available()
+    g = torch.Generator(device="cuda:1").manual_seed(0)
+    src = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda:1", generator=g)
+    dst = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda:0")
+    cuda_copy.enable_peer_access(dst.device, src)
+    side = torch.cuda.Stream(device="cuda:0")
+    with torch.cuda.stream(side):
+        cuda_copy.copy_on_dst_stream(dst[1:], src[:-1])  # odd offset, 64 MiB - 1 bytes
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()  # the copy was ordered on the side stream of the destination GPU
+    assert torch.equal(dst[1:].cpu(), src[:-1].cpu()) and dst[0].item() == 0
+    with pytest.raises(ValueError):
+        cuda_copy.copy_on_dst_stream(dst[:10], src, 11)

@@ -32,8 +32,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .plan import (HEADER_BYTES, BucketPlan, BucketSpec, ParamIndex, TensorSlot, build_plan, local_params,
-                   signature, to_dtype)
+from .plan import (HEADER_BYTES, BucketPlan, BucketSpec, ParamIndex, TensorSlot, build_plan, to_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -132,28 +131,34 @@ class BucketExporter:
         self._view_cache: dict = {}  # (vpp, name) -> ((data_ptr, shape, dtype), HF views); see _views
         self._peer_pos = None  # (plan, bucket -> positions of its experts in the ParamIndex order)
         self._index: ParamIndex | None = None
+        self._params: list[torch.Tensor] | None = None  # this sync's tensors, in _index.keys order
+        self._sig = None  # (index, shapes) the plan was built for
         self._flag_group = None
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self) -> BucketPlan:
         """The plan for this sync: verified against every rank's parameters, rebuilt if stale."""
-        try:
-            self._params = self._index.lookup() if self._index is not None else None  # fresh tensors, by name
-        except KeyError:
-            self._params = None
-        if self._params is None:
+        ts = None
+        if self._index is not None:
+            try:
+                ts = self._index.lookup()  # fresh tensors, by name
+            except KeyError:
+                self._index = None
+        if self._index is None:
             self._index = ParamIndex(self.models)
-            self._params = self._index.lookup()
-        sig = signature(self.models, self._params)
+            ts = self._index.lookup()
+        shapes = ParamIndex.shapes(ts)
+        self._params = ts
         peer = self._peer
         if peer is not None:
             torch.cuda.current_stream().synchronize()  # the leader may read our experts right away
-        stale = self._plan is None or self._plan.signature != sig
+        stale = self._plan is None or self._sig is None or self._sig[0] is not self._index or self._sig[1] != shapes
         flags = self.flag_max(int(stale) | int(peer is not None and not stale and peer.stale(self._peer_tensors())) << 1)
         if flags & 1:
             self._index = ParamIndex(self.models)  # a full traversal whenever anything changed
             self._params = self._index.lookup()
             self._plan = build_plan(self.bridge, self.models, self.bucket_bytes)
+            self._sig = (self._index, ParamIndex.shapes(self._params))
             self.rebuilds += 1
             if self._pool is not None:
                 self._pool.release()
@@ -187,13 +192,13 @@ class BucketExporter:
         if mpu.get_expert_data_parallel_rank() != 0 or self._params is None:
             return {}
         pos = self._peer_pos
-        if pos is None or pos[0] is not self._plan:  # positions in the ParamIndex order, per plan
-            where = {(vpp, name): i for i, (vpp, name, _) in enumerate(self._params)}
-            pos = self._peer_pos = (self._plan, {
-                b.index: [where[(b.experts.vpp, p.local_name)] for p in b.experts.params]
+        if pos is None or pos[0] is not self._plan or pos[1] is not self._index:  # positions, per plan
+            at = self._index.pos
+            pos = self._peer_pos = (self._plan, self._index, {
+                b.index: [at[(b.experts.vpp, p.local_name)] for p in b.experts.params]
                 for b in self._plan.buckets if b.kind != "dense"})
         params = self._params
-        return {b: [params[i][2] for i in idx] for b, idx in pos[1].items()}
+        return {b: [params[i] for i in idx] for b, idx in pos[2].items()}
 
     def _publish_peer(self) -> None:
         from megatron.core import parallel_state as mpu
@@ -243,7 +248,7 @@ class BucketExporter:
             raise ValueError(f"layout must be 'full' or 'ipc', got {layout!r}")
         if plan is None or getattr(self, "_params", None) is None:
             plan = self.plan()
-        params = {(vpp, name): t for vpp, name, t in self._params}
+        params = _ByName(self._index.pos, self._params)
         self._params = None  # the next iteration looks the tensors up again
         rank = dist.get_rank() if dist.is_initialized() else 0
         dev = _dev_of(self.models)
@@ -434,6 +439,18 @@ class BucketExporter:
         prefix, local_id = _EXPERT.match(p.global_name).group(1, 3)
         per_rank = int(self.impl.config.num_moe_experts) // max(1, len({e for e, _ in self._plan.ep_members}))
         return f"{prefix}{ep_rank * per_rank + int(local_id)}"
+
+
+class _ByName:
+    """params[(vpp, name)] -> this sync's tensor (no per-sync dict of all tensors)."""
+
+    __slots__ = ("pos", "ts")
+
+    def __init__(self, pos: dict, ts: list):
+        self.pos, self.ts = pos, ts
+
+    def __getitem__(self, key):
+        return self.ts[self.pos[key]]
 
 
 class _Ctx:

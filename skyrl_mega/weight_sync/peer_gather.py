@@ -8,9 +8,10 @@ the leader copies into the packed bucket row of that member (`copy_rows`).
 Why: with the NCCL point-to-point gather, every member runs a send kernel for every bucket. When
 a member's GPU also hosts an engine or a receiver (2-GPU boxes, co-located engines), that kernel
 takes GPU time slices from the engine's receive kernel, which then runs at about half speed.
-Here members launch no work during a sync at all (the reads run on the leader as peer copies
-over NVLink); they only synchronise their streams before (their parameters are final) and wait
-on a CPU barrier after (the leader finished reading).
+Here members launch no work during a sync at all: the reads run on the leader as peer copies
+over NVLink, enqueued on the leader's own stream (cuda_copy.py; PyTorch's copy_ would enqueue
+them on the member GPU). Members only synchronise their streams before (their parameters are
+final) and wait on a CPU barrier after (the leader finished reading).
 
 Used (export.py, gather="auto") when every trainer rank runs on one host with CUDA, with one
 pipeline stage and ETP=1, and the leader can open every member's GPU (matched by device UUID);
@@ -29,7 +30,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import ipc_handles
+from . import cuda_copy, ipc_handles
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class PeerExpertGather:
         self._sig = None
         self._runs: dict[tuple[int, int], list[tuple[torch.Tensor, int, int]]] = {}  # (bucket, member) -> runs
         self._opened: dict = {}
+        # "driver": peer copies on the leader's stream (cuda_copy.py); "torch": Tensor.copy_,
+        # which enqueues them on the member GPU's stream (kept for the benchmark's comparison)
+        self.copier = "driver" if cuda_copy.available() else "torch"
 
     def stale(self, local: dict[int, list[torch.Tensor]]) -> bool:
         sig = tuple((b, tuple((t.data_ptr(), t.numel() * t.element_size()) for t in ts))
@@ -122,6 +126,8 @@ class PeerExpertGather:
                         key = ipc_handles.handle_key(h)
                         if key not in self._opened:
                             self._opened[key] = ipc_handles.decode(h, dev)
+                            cuda_copy.enable_peer_access(torch.device("cuda", torch.cuda.current_device()),
+                                                         self._opened[key])
                         wholes.append(self._opened[key])
                     for b, rows in info["buckets"].items():
                         runs, pos = [], 0
@@ -144,12 +150,17 @@ class PeerExpertGather:
         return bool(t.item())
 
     def copy_rows(self, bucket: int, rows: list[torch.Tensor]) -> None:
-        """Leader: rows[i] <- member i's packed experts of `bucket` (peer copies, async)."""
+        """Leader: rows[i] <- member i's packed experts of `bucket` (peer copies, async, on the
+        leader's stream: nothing is launched on the member's GPU)."""
+        driver = self.copier == "driver"
         for i, r in enumerate(self.members):
             if r == self.leader:
                 continue
             for src, pos, n in self._runs[(bucket, r)]:
-                rows[i][pos: pos + n].copy_(src, non_blocking=True)
+                if driver:
+                    cuda_copy.copy_on_dst_stream(rows[i][pos: pos + n], src, n)
+                else:
+                    rows[i][pos: pos + n].copy_(src, non_blocking=True)
 
     def close(self) -> None:
         self._runs, self._opened = {}, {}

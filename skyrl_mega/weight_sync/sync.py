@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 import torch.distributed as dist
 
 from ..rollout.errors import WeightSyncError
