@@ -137,7 +137,7 @@ def run_phase(a, phase: str, env: dict, model_dir: str, deadline: float) -> dict
               "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, "--role", "trainer",
               "--phase", phase, "--device", a.device, "--iters", str(a.iters), "--raw-gib", str(a.raw_gib),
               "--bucket-mb", str(a.bucket_mb),
-              "--ipc-round-mb", ",".join(map(str, a.ipc_round_mb)), *common] + (["--skip-baseline"] if a.skip_baseline else [])
+              "--ipc-round-mb", ",".join(map(str, a.ipc_round_mb)), *common] + (["--skip-baseline"] if a.skip_baseline else []) + (["--profile"] if a.profile else [])
     tr = subprocess.Popen(tr_cmd, stdout=open(os.path.join(a.out, f"{phase}_trainer.log"), "w"),
                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -217,6 +217,7 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--time-limit", type=float, default=280.0, help="driver: kill everything after this")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also profile one sync (plan check + GPU timeline)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.role == "receiver":

@@ -219,36 +219,44 @@ def run_trainer(a) -> None:
             transport.pool.drain()
             transport.num_slots, transport.pool = n, SlotPool(dev, n=n)
 
-    def set_copier(name):
-        """How the leader's peer reads are enqueued (peer_gather.PeerExpertGather.copier)."""
-        peer = get_exporter(bridge, models, bucket, "auto")._peer
-        if peer is not None and name != "-":
-            peer.copier = name
+    def set_copier(peer_copy, own_row, first):
+        """How the leader fills an expert bucket (peer_gather.PeerExpertGather.copier,
+        BucketExporter.local_copy) and which bucket kind the plan sends first."""
+        ex = get_exporter(bridge, models, bucket, "auto")
+        if ex._peer is not None and peer_copy != "-":
+            ex._peer.copier = peer_copy
+        if own_row != "-":
+            ex.local_copy = own_row
+        if rank == 0:
+            transport.bucket_first = first
 
     MiB, NEVER = 1 << 20, 1 << 62
 
     def s_e2e():
         if a.phase == "nccl":
-            # (gather, sender slots, receiver copies, leader's peer copies) variants, each measured here
-            variants = [("auto", 3, MiB, True, True, "driver"), ("auto", 3, MiB, True, True, "torch"),
-                        ("auto", 3, MiB, False, False, "driver"), ("auto", 2, MiB, True, True, "driver"),
-                        ("nccl", 3, MiB, True, True, "-")] if world > 1 else [("auto", 2, MiB, False, False, "-")]
+            # (gather, sender slots, receiver copies, leader's peer copies, leader's own row, first
+            # bucket kind) variants, each measured here
+            best = ("auto", 3, MiB, True, True, "driver", "memcpy", "dense")
+            variants = [best, best[:7] + ("experts",), best[:6] + ("cat", "dense"), best[:5] + ("torch",) + best[6:],
+                        ("auto", 2) + best[2:], ("nccl",) + best[1:5] + ("-", "-", "dense")
+                        ] if world > 1 else [("auto", 2, MiB, False, False, "-", "-", "dense")]
             runs = []
-            for g, slots, lm, gr, sd, cp in variants:
+            for g, slots, lm, gr, sd, cp, lc, first in variants:
                 set_slots(slots)
                 copy_mode(lm, gr, sd)
-                set_copier(cp)
+                set_copier(cp, lc, first)
                 runs.append(measure(f"gather={g}, {slots} sender slots, receiver {copies_label(lm, gr, sd)}"
-                                    + (f", peer copies {cp}" if cp != "-" else ""), g))
-                runs[-1]["config"] = [g, slots, lm, gr, sd, cp]
+                                    + (f", peer copies {cp}, own row {lc}" if cp != "-" else "")
+                                    + f", {first} buckets first", g))
+                runs[-1]["config"] = [g, slots, lm, gr, sd, cp, lc, first]
             res["nccl_sweep"] = runs
             res["e2e_by_gather"] = {g: max((r for r in runs if r["config"][0] == g), key=lambda r: r["best_GBps"])
                                     for g in gathers}
             res["e2e"] = res["e2e_by_gather"]["auto"]
-            _, slots, lm, gr, sd, cp = res["e2e"]["config"]
+            _, slots, lm, gr, sd, cp, lc, first = res["e2e"]["config"]
             set_slots(slots)
             copy_mode(lm, gr, sd)
-            set_copier(cp)
+            set_copier(cp, lc, first)
             return
         # co-located: IPC round size x the engine's copy mode, each measured here
         runs = []
@@ -397,6 +405,52 @@ def run_trainer(a) -> None:
             nbytes += k * (2 if d == "bfloat16" else 4)
         res["tensor_by_tensor"] = {"tensors": len(meta), "bytes": nbytes, "seconds": dt, "GBps": nbytes / dt / 1e9}
 
+    def s_profile():
+        """Where one sync's time goes: cProfile of the plan check on every rank, and the GPU
+        timeline (kernels, copies) of one end-to-end sync on rank 0 (torch.profiler)."""
+        import cProfile
+        import io
+        import pstats
+
+        ex = get_exporter(bridge, models, bucket, "auto")
+        for _ in range(2):
+            barrier()
+            sync_all()
+            t = time.perf_counter()
+            ex.plan()
+            res.setdefault("plan_check_ms", {}).setdefault(str(rank), []).append((time.perf_counter() - t) * 1e3)
+        barrier()
+        pr = cProfile.Profile()
+        pr.enable()
+        ex.plan()
+        pr.disable()
+        text = io.StringIO()
+        pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(14)
+        print(f"[bench] rank {rank} plan() profile:\n{text.getvalue()}", flush=True)
+        res.setdefault("plan_profile", {})[str(rank)] = text.getvalue()[-3000:]
+        if not cuda:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        barrier()
+        sync_all()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            timed_sync(150)
+        if rank == 0:
+            path = os.path.join(a.out, f"{a.phase}_trace_full.json")
+            prof.export_chrome_trace(path)
+            ev = json.load(open(path)).get("traceEvents", [])
+            keep = [e for e in ev if e.get("ph") == "X" and (e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                                                            or e.get("name", "").startswith(("sync_weights", "ncclDev")))]
+            t0 = min(e["ts"] for e in keep) if keep else 0
+            gpu = [[e["name"][:60], e.get("args", {}).get("device"), e.get("args", {}).get("stream"),
+                    round(e["ts"] - t0, 1), round(e.get("dur", 0), 1)] for e in keep]
+            cpu_sync = [e for e in ev if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+            with open(os.path.join(a.out, f"{a.phase}_gpu_timeline.json"), "w") as f:
+                json.dump({"t0_us": t0, "gpu": gpu,
+                           "cpu_first_ts": round(min((e["ts"] for e in cpu_sync), default=t0) - t0, 1)}, f)
+            os.remove(path)
+
     def s_trainer_logits():
         ref = logits()
         if rank == 0:
@@ -427,6 +481,8 @@ def run_trainer(a) -> None:
         if a.phase == "nccl" and not a.skip_baseline:
             section("baseline", s_baseline)
         section("trainer_logits", s_trainer_logits)
+        if a.profile:
+            section("profile", s_profile)
     finally:
         if rank == 0 and transport is not None:
             transport.close()

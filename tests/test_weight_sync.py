@@ -86,6 +86,15 @@ def test_plan_puts_every_expert_of_a_layer_in_one_bucket(layouts_run, tiny_qwen3
         b = plan["wire"]["buckets"][buckets.pop()]
         assert len(b["tensors"]) == 3 * E  # dedicated: that layer's experts only
     assert plan["summary"]["expert_buckets"] == len(moe_layers)
+    # bucket order per pipeline stage: dense first for the broadcast transport, experts first otherwise
+    assert plan["first"] == "dense"
+    kinds = [b["kind"] for b in plan["wire"]["buckets"]]
+    for stage in set(plan["stages"]):
+        mine = [k for k, s in zip(kinds, plan["stages"]) if s == stage]
+        assert mine == sorted(mine, key=lambda k: k == "experts"), (stage, mine)
+        other = [k for k, s in zip(plan["experts_first_kinds"], plan["stages"]) if s == stage]
+        assert other == sorted(mine, key=lambda k: k != "experts"), (stage, other)
+    assert plan["stages"] == sorted(plan["stages"])
     assert plan["summary"]["buckets"] > plan["summary"]["expert_buckets"] + 2  # dense ones split by size
 
 
@@ -115,7 +124,9 @@ def test_receiver_holds_the_trainers_weights(layouts_run, trainer_ckpt):
     v1 = load_file(d / "receiver_v1.safetensors")["logits"]
     v4 = load_file(d / "receiver_v4.safetensors")["logits"]
     assert (v1 - v4).abs().max().item() > 1e-2
-    assert r["sync4"]["weight_sync/plan_rebuilds"] == 1
+    # built once (experts first) for the export, once more when the broadcast transport asked for
+    # dense first, and never again: new tensors of the same shapes reuse the plan
+    assert r["sync4"]["weight_sync/plan_rebuilds"] == 2
     assert r["report_v1"]["version"] == 1 and r["report_v4"]["version"] == 4 and r["report_v4"]["consistent"]
     # per-tensor checksums of what landed in the receiver equal the sender's
     assert r["report_v1"]["checksum"] == r["sender_digest_v1"]

@@ -69,6 +69,8 @@ class CudaIpcTransport(BucketTransport):
     def layout(self) -> str:
         return "ipc" if self.zero_copy else "full"
 
+    bucket_first = "experts"  # zero-copy expert buckets: the engine starts copying them at once
+
     def init(self) -> None:
         if self._inited:
             return

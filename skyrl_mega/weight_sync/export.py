@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .plan import (HEADER_BYTES, BucketPlan, BucketSpec, ParamIndex, TensorSlot, build_plan, to_dtype)
+from .plan import (BUCKET_ORDERS, HEADER_BYTES, BucketPlan, BucketSpec, ParamIndex, TensorSlot, build_plan, to_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +134,16 @@ class BucketExporter:
         self._params: list[torch.Tensor] | None = None  # this sync's tensors, in _index.keys order
         self._sig = None  # (index, shapes) the plan was built for
         self._flag_group = None
+        # the leader's own experts into its bucket row (IPC gather): "memcpy" (one copy per tensor,
+        # no kernel: a concatenation kernel takes every SM and delays the next NCCL broadcast
+        # kernel by its whole run, measured on H200) or "cat" (one kernel; kept for the benchmark)
+        self.local_copy = "memcpy"
 
     # -- plan -------------------------------------------------------------------------------------
-    def plan(self) -> BucketPlan:
-        """The plan for this sync: verified against every rank's parameters, rebuilt if stale."""
+    def plan(self, first: str | None = None) -> BucketPlan:
+        """The plan for this sync: verified against every rank's parameters, rebuilt if stale.
+        `first` (global rank 0's say; the sending transport's preference, see build_plan): which
+        kind of bucket goes first. Every rank learns it in the same flag round as staleness."""
         ts = None
         if self._index is not None:
             try:
@@ -153,11 +159,17 @@ class BucketExporter:
         if peer is not None:
             torch.cuda.current_stream().synchronize()  # the leader may read our experts right away
         stale = self._plan is None or self._sig is None or self._sig[0] is not self._index or self._sig[1] != shapes
-        flags = self.flag_max(int(stale) | int(peer is not None and not stale and peer.stale(self._peer_tensors())) << 1)
-        if flags & 1:
+        moved = peer is not None and not stale and peer.stale(self._peer_tensors())
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        want = BUCKET_ORDERS.index(first) + 1 if rank0 and first is not None else 0
+        stale, moved, want = self.flag_max(int(stale), int(moved), want)
+        order = BUCKET_ORDERS[want - 1] if want else (self._plan.first if self._plan is not None else "experts")
+        flags = stale | moved
+        if stale or self._plan.first != order:
+            flags = 1
             self._index = ParamIndex(self.models)  # a full traversal whenever anything changed
             self._params = self._index.lookup()
-            self._plan = build_plan(self.bridge, self.models, self.bucket_bytes)
+            self._plan = build_plan(self.bridge, self.models, self.bucket_bytes, first=order)
             self._sig = (self._index, ParamIndex.shapes(self._params))
             self.rebuilds += 1
             if self._pool is not None:
@@ -220,19 +232,21 @@ class BucketExporter:
                 torch.cuda.current_stream().synchronize()
             self.flag_max(0)
 
-    def flag_max(self, value: int) -> int:
-        """Max of a small int over all trainer ranks, on the CPU (gloo).
+    def flag_max(self, *values: int):
+        """Max of small ints over all trainer ranks (each on its own), on the CPU (gloo). One
+        value in: an int back; several: a tuple.
 
         With NCCL a rank that is done early would otherwise sit in a spinning NCCL kernel for the
         rest of the sync, and on a GPU it shares with a receiver that kernel takes GPU time
         slices from the receiver (measured on H200: the receiver's broadcast at half speed)."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return int(value)
-        if self._flag_group is None:
-            self._flag_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        t = torch.tensor([int(value)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._flag_group)
-        return int(t.item())
+        out = [int(v) for v in values]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if self._flag_group is None:
+                self._flag_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+            t = torch.tensor(out, dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._flag_group)
+            out = t.tolist()
+        return out[0] if len(out) == 1 else tuple(out)
 
     # -- iteration --------------------------------------------------------------------------------
     def iter_buckets(self, acquire: Callable[[BucketSpec, int], torch.Tensor | None] | None = None,
@@ -361,8 +375,12 @@ class BucketExporter:
                 rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
                         for m in range(members)]
                 mine = rows[ranks.index(leader)]
-                flats = self._flats(b.index, local)
-                torch.cat(flats, out=mine if flats[0].dtype == torch.uint8 else mine.view(flats[0].dtype))
+                if self.local_copy == "memcpy":
+                    for p, t in zip(g.params, local):  # copy engine: leaves the SMs to the broadcast
+                        mine[p.offset: p.offset + p.nbytes].copy_(_bytes(t))
+                else:
+                    flats = self._flats(b.index, local)
+                    torch.cat(flats, out=mine if flats[0].dtype == torch.uint8 else mine.view(flats[0].dtype))
                 self._peer.copy_rows(b.index, rows)
             return
         if g.in_place:

@@ -40,6 +40,9 @@ class NcclBroadcastTransport(BucketTransport):
     """Packed buckets broadcast from trainer rank 0 to every engine worker (see module doc)."""
 
     layout = "full"
+    # a dense bucket first: packed from the leader's own memory at once, its broadcast hides the
+    # first expert bucket's EP gather (plan.build_plan)
+    bucket_first = "dense"
 
     def __init__(self, control=None, receivers=(), *, comm_backend: str | None = None, num_slots: int = 2,
                  **kw):

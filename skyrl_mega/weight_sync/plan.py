@@ -143,6 +143,7 @@ class BucketPlan:
     leaders: list[int]  # global rank that assembles each pipeline stage's buckets
     ep_members: list[tuple[int, int]]  # (ep_rank, etp_rank) of each member of this rank's expert gather group
     plan_id: str = ""
+    first: str = "experts"  # which kind of bucket goes first in each stage (see build_plan)
 
     @property
     def num_tensors(self) -> int:
@@ -407,8 +408,14 @@ class _PlanBuilder:
         b.experts = group
 
 
-def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BucketPlan:
-    """Collective over all trainer ranks (all_gather_object over the pipeline group and world)."""
+BUCKET_ORDERS = ("experts", "dense")
+
+
+def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first: str = "experts") -> BucketPlan:
+    """Collective over all trainer ranks (all_gather_object over the pipeline group and world).
+    `first`: "experts" or "dense", the kind of bucket sent first in each stage (see below)."""
+    if first not in BUCKET_ORDERS:
+        raise ValueError(f"first must be one of {BUCKET_ORDERS}, got {first!r}")
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -481,11 +488,13 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Buck
         for vpp, layer in order:
             pb.add_experts(stage, vpp, layer, pending[(vpp, layer)])
         pb.flush_dense()
-    # number every tensor in bucket order; compact IPC layout. Expert buckets go first in each
-    # stage: they cost the sender no per-tensor Python (one concatenation or gather each), so the
-    # wire / the engine's copies start at once, and the dense buckets' conversions (mbridge calls
-    # per parameter, q/k/v splits) run on the CPU while the expert buckets are on the wire.
-    buckets = sorted(pb.buckets, key=lambda b: (b.stage, b.kind != "experts", b.index))
+    # number every tensor in bucket order; compact IPC layout. The order per stage:
+    # - "experts" first (CUDA IPC): expert buckets cost the sender no per-tensor work (zero copy,
+    #   direct), so the engine's copies start at once while the dense buckets are converted;
+    # - "dense" first (broadcast): the leader packs a dense bucket from its own memory in well
+    #   under a millisecond, and its time on the wire hides the first expert bucket's EP gather
+    #   (a peer read of half a layer's experts), which would otherwise delay the first send.
+    buckets = sorted(pb.buckets, key=lambda b: (b.stage, (b.kind == "experts") == (first == "dense"), b.index))
     index = 0
     for i, b in enumerate(buckets):
         b.index = i
@@ -505,7 +514,7 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Buck
         if b.kind == "experts" and b.experts.in_place and not all(t.direct for t in b.tensors):
             ipc = b.nbytes
         b.ipc_nbytes = ipc
-    plan = BucketPlan(buckets, bucket_bytes, signature(models), leaders, par["ep_members"])
+    plan = BucketPlan(buckets, bucket_bytes, signature(models), leaders, par["ep_members"], first=first)
     plan.plan_id = hashlib.sha256(json.dumps(plan.wire(), sort_keys=True).encode()).hexdigest()[:16]
     return plan
 

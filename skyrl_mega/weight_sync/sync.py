@@ -36,7 +36,7 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
     rank = dist.get_rank() if dist.is_initialized() else 0
     t0 = time.perf_counter()
     ex = get_exporter(bridge, models, bucket_bytes, gather)
-    plan = ex.plan()
+    plan = ex.plan(first=getattr(transport, "bucket_first", None) if rank == 0 else None)
     t_plan = time.perf_counter() - t0
     sending = rank == 0 and transport is not None
     bucketed = sending and isinstance(transport, BucketTransport)

@@ -96,12 +96,15 @@ def main():
         sd = export_hf_state_dict(bridge, models, BUCKET)
         results["export_s"] = time.perf_counter() - t0
         ref = {n: t.detach().cpu().clone().contiguous() for n, t in bridge.export_hf(models)}
-        plan = get_exporter(bridge, models, BUCKET).plan()
+        experts_first = [b.kind for b in get_exporter(bridge, models, BUCKET).plan().buckets]
+        plan = get_exporter(bridge, models, BUCKET).plan(first="dense")  # the broadcast transport's order
         if rank == 0:
             save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir, "export.safetensors"))
             save_file(ref, os.path.join(out_dir, "mbridge.safetensors"))
             with open(os.path.join(out_dir, "plan.json"), "w") as f:
-                json.dump({"summary": plan.summary(), "wire": plan.wire(), "bucket_bytes": BUCKET}, f)
+                json.dump({"summary": plan.summary(), "wire": plan.wire(), "bucket_bytes": BUCKET,
+                           "stages": [b.stage for b in plan.buckets], "first": plan.first,
+                           "experts_first_kinds": experts_first}, f)
         # 2) a standalone receiver (transformers, original weights) on gloo
         transport, rx_proc, client = None, None, None
         if rank == 0:
