@@ -92,6 +92,16 @@ def run_receiver(a) -> None:
                 torch.cuda.synchronize(self.device)
             return {"tensors": len(meta)}
 
+        def x_weights_digest(self, tensors: list) -> dict:
+            """Digest of the model's current weights, per HF tensor (name, shape) in the given order."""
+            from skyrl_mega.weight_sync.checksum import digest, tensor_checksum
+
+            rows = []
+            for name, shape in tensors:
+                key, start, n = self.targets.target(name, shape)
+                rows.append(tensor_checksum(self.targets.flat(key)[start: start + n]))
+            return {"digest": digest(torch.stack(rows)), "tensors": len(rows)}
+
         def x_fp32_logits(self, input_ids, file: str) -> dict:
             """Logits of an fp32 copy of the model (the bf16 noise floor of this implementation)."""
             import copy
@@ -194,6 +204,8 @@ def summarize(r: dict) -> str:
             lines.append(f"{ph}: verified sync {d['verify']['GBps']:.1f} GB/s, checksums match: {d['verify']['match']}; "
                          f"same digest with every gather: {d['verify'].get('same_digest_every_gather')}; "
                          f"corrupted bucket caught: {d.get('corrupt', {}).get('caught')}; "
+                         f"weights equal after an unverified sync of fresh weights: "
+                         f"{d.get('weights_after_sync', {}).get('equal')}; "
                          f"logits after sync: {d.get('logits_after_sync')}")
     return "\n".join(lines)
 

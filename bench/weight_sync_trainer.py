@@ -374,7 +374,21 @@ def run_trainer(a) -> None:
             for m in models:
                 for p in m.parameters():
                     p.normal_(0.0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
+        names = [(t.name, list(t.shape)) for b in st["plan"].buckets for t in b.tensors]
+        before = client.call("x_weights_digest", {"tensors": names})[0]["digest"] if rank == 0 else None
         timed_sync(103)
+        # exact check: the receiver's weights now equal the trainer's fresh weights, tensor by tensor
+        from skyrl_mega.weight_sync.checksum import digest, tensor_checksum
+        from skyrl_mega.weight_sync.export import export_hf_state_dict
+
+        sd = export_hf_state_dict(bridge, models, bucket, device=dev)
+        if rank == 0:
+            mine = digest(torch.stack([tensor_checksum(sd[n]) for n, _ in names]))
+            got = client.call("x_weights_digest", {"tensors": names})[0]
+            res["weights_after_sync"] = {"trainer_digest": mine, "receiver_digest": got["digest"],
+                                         "tensors": got["tensors"], "equal": mine == got["digest"],
+                                         "receiver_digest_before": before}
+        del sd
 
     def s_rx_logits():
         if rank == 0:

@@ -5,6 +5,8 @@ then a co-located trainer and receiver on GPU0) and checks what it recorded, not
 - the verified sync's receiver digest equals the sender's, for each expert gather
   (intra-node CUDA IPC reads and NCCL point-to-point), and both gathers send identical bytes;
 - a bucket corrupted after its checksums were taken is caught, the receiver keeps its version;
+- after the trainer wrote fresh weights and synced without verification, the receiver's
+  weights equal the trainer's exactly (per-tensor checksums of both, in plan order);
 - the receiver's logits after the sync match the trainer's own Megatron logits within the
   script's stated bf16 tolerance, and did not before the sync.
 Skipped without two GPUs. Speeds are reported in BENCHMARKS.md from the full-size run.
@@ -39,6 +41,8 @@ def test_weight_sync_nccl_and_ipc_on_gpus(tmp_path):
         assert r["verify"]["same_digest_every_gather"], phase
         assert r["corrupt"]["caught"] and r["corrupt"]["receiver_after"]["consistent"] is False, phase
         assert r["verify_after_corrupt"]["match"], phase
+        w = r["weights_after_sync"]
+        assert w["equal"] and w["receiver_digest_before"] != w["trainer_digest"], (phase, w)
         assert r["logits_after_sync"]["pass"], (phase, r["logits_after_sync"])
         assert r["logits_before_sync"]["cosine"] < 0.9, (phase, r["logits_before_sync"])
     assert res["nccl"]["auto_gather"].startswith("ipc"), res["nccl"]["auto_gather"]

@@ -47,8 +47,10 @@ def enable_peer_access(dst_device: torch.device, src: torch.Tensor) -> None:
     torch.cuda.synchronize(dst_device)
 
 
-def copy_on_dst_stream(dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> None:
-    """dst[:nbytes] <- src[:nbytes] (bytes, both contiguous), enqueued on dst's current stream."""
+def copy_on_dst_stream(dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None, stream: int | None = None
+                       ) -> None:
+    """dst[:nbytes] <- src[:nbytes] (bytes, both contiguous), enqueued on dst's current stream
+    (or on `stream`, a raw cudaStream_t of dst's device: callers issuing many copies pass it once)."""
     fn = _memcpy_async()
     if fn is None:
         raise RuntimeError("the CUDA driver (libcuda.so.1) is not available")
@@ -57,7 +59,10 @@ def copy_on_dst_stream(dst: torch.Tensor, src: torch.Tensor, nbytes: int | None 
         raise ValueError(f"copy of {n} bytes exceeds a tensor ({dst.nbytes} / {src.nbytes} bytes)")
     if not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError("copy_on_dst_stream needs contiguous tensors")
-    with torch.cuda.device(dst.device):  # the driver call runs in the current context: dst's
-        rc = fn(dst.data_ptr(), src.data_ptr(), n, torch.cuda.current_stream(dst.device).cuda_stream)
+    if stream is not None and torch.cuda.current_device() == dst.device.index:
+        rc = fn(dst.data_ptr(), src.data_ptr(), n, stream)
+    else:
+        with torch.cuda.device(dst.device):  # the driver call runs in the current context: dst's
+            rc = fn(dst.data_ptr(), src.data_ptr(), n, stream or torch.cuda.current_stream(dst.device).cuda_stream)
     if rc != 0:
         raise RuntimeError(f"cuMemcpyAsync failed with CUresult {rc}")

@@ -27,6 +27,7 @@ tensors are looked up by name on every sync, never cached.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -134,6 +135,7 @@ class BucketExporter:
         self._params: list[torch.Tensor] | None = None  # this sync's tensors, in _index.keys order
         self._sig = None  # (index, shapes) the plan was built for
         self._flag_group = None
+        self.plan_timings: dict[str, float] = {}
         # the leader's own experts into its bucket row (IPC gather): "memcpy" (one copy per tensor,
         # no kernel: a concatenation kernel takes every SM and delays the next NCCL broadcast
         # kernel by its whole run, measured on H200) or "cat" (one kernel; kept for the benchmark)
@@ -144,6 +146,7 @@ class BucketExporter:
         """The plan for this sync: verified against every rank's parameters, rebuilt if stale.
         `first` (global rank 0's say; the sending transport's preference, see build_plan): which
         kind of bucket goes first. Every rank learns it in the same flag round as staleness."""
+        t0 = time.perf_counter()
         ts = None
         if self._index is not None:
             try:
@@ -162,7 +165,9 @@ class BucketExporter:
         moved = peer is not None and not stale and peer.stale(self._peer_tensors())
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         want = BUCKET_ORDERS.index(first) + 1 if rank0 and first is not None else 0
+        t1 = time.perf_counter()
         stale, moved, want = self.flag_max(int(stale), int(moved), want)
+        t2 = time.perf_counter()
         order = BUCKET_ORDERS[want - 1] if want else (self._plan.first if self._plan is not None else "experts")
         flags = stale | moved
         if stale or self._plan.first != order:
@@ -178,6 +183,9 @@ class BucketExporter:
             self._peer_ok = self._peer_possible()
         if self._peer_ok and (flags or self._peer is None):
             self._publish_peer()
+        # where the check's time goes (sync_weights reports it): local lookup, the flag round
+        # (waits for the slowest rank), rebuild/publish
+        self.plan_timings = {"plan_local_s": t1 - t0, "plan_flags_s": t2 - t1, "plan_rest_s": time.perf_counter() - t2}
         return self._plan
 
     # -- intra-node expert gather (peer_gather.py) ----------------------------------------------------

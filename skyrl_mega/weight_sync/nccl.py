@@ -154,6 +154,9 @@ class NcclBroadcastTransport(BucketTransport):
             buf[o: o + 1].bitwise_xor_(0x5A)
         self.pool.fence(self.comm.broadcast(buf, 0))
         self._next += 1
+        if self._next == 1:  # on the CPU: when the first / last broadcast was enqueued
+            self.timings["first_send_at_s"] = time.perf_counter() - self._t_start
+        self.timings["last_send_at_s"] = time.perf_counter() - self._t_start
 
     def finish(self) -> dict[str, Any]:
         version, plan = self._version, self._plan

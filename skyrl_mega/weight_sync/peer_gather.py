@@ -153,12 +153,13 @@ class PeerExpertGather:
         """Leader: rows[i] <- member i's packed experts of `bucket` (peer copies, async, on the
         leader's stream: nothing is launched on the member's GPU)."""
         driver = self.copier == "driver"
+        stream = torch.cuda.current_stream(rows[0].device).cuda_stream if driver else None
         for i, r in enumerate(self.members):
             if r == self.leader:
                 continue
             for src, pos, n in self._runs[(bucket, r)]:
                 if driver:
-                    cuda_copy.copy_on_dst_stream(rows[i][pos: pos + n], src, n)
+                    cuda_copy.copy_on_dst_stream(rows[i][pos: pos + n], src, n, stream)
                 else:
                     rows[i][pos: pos + n].copy_(src, non_blocking=True)
 

@@ -83,6 +83,7 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
     out = {"weight_sync/seconds": seconds, "weight_sync/plan_seconds": t_plan,
            "weight_sync/bytes": float(plan.total_bytes), "weight_sync/tensors": float(plan.num_tensors),
            "weight_sync/buckets": float(len(plan.buckets)), "weight_sync/plan_rebuilds": float(ex.rebuilds)}
+    out.update({f"weight_sync/{k}": v for k, v in ex.plan_timings.items()})
     if sending:
         out["weight_sync/GBps"] = plan.total_bytes / seconds / 1e9
         for k, v in getattr(transport, "timings", {}).items():
