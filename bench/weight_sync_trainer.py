@@ -236,10 +236,10 @@ def run_trainer(a) -> None:
         if a.phase == "nccl":
             # (gather, sender slots, receiver copies, leader's peer copies, leader's own row, first
             # bucket kind) variants, each measured here
-            best = ("auto", 3, MiB, True, True, "driver", "memcpy", "dense")
-            variants = [best, best[:7] + ("experts",), best[:6] + ("cat", "dense"), best[:5] + ("torch",) + best[6:],
-                        ("auto", 2) + best[2:], ("nccl",) + best[1:5] + ("-", "-", "dense")
-                        ] if world > 1 else [("auto", 2, MiB, False, False, "-", "-", "dense")]
+            best = ("auto", 3, MiB, True, True, "torch", "memcpy", "experts")
+            variants = [best, best[:5] + ("driver",) + best[6:], best[:7] + ("dense",), best[:6] + ("cat", "experts"),
+                        ("auto", 2) + best[2:], ("nccl",) + best[1:5] + ("-", "-", "experts")
+                        ] if world > 1 else [("auto", 2, MiB, False, False, "-", "-", "experts")]
             runs = []
             for g, slots, lm, gr, sd, cp, lc, first in variants:
                 set_slots(slots)

@@ -134,6 +134,8 @@ class BucketExporter:
         self._index: ParamIndex | None = None
         self._params: list[torch.Tensor] | None = None  # this sync's tensors, in _index.keys order
         self._sig = None  # (index, shapes) the plan was built for
+        self._invalid = False  # set by invalidate(): rebuild on the next plan()
+        self.stale_seen = False  # the last iter_buckets saw a changed shape/dtype on some rank
         self._flag_group = None
         self.plan_timings: dict[str, float] = {}
         # the leader's own experts into its bucket row (IPC gather): "memcpy" (one copy per tensor,
@@ -143,9 +145,16 @@ class BucketExporter:
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self, first: str | None = None) -> BucketPlan:
-        """The plan for this sync: verified against every rank's parameters, rebuilt if stale.
-        `first` (global rank 0's say; the sending transport's preference, see build_plan): which
-        kind of bucket goes first. Every rank learns it in the same flag round as staleness."""
+        """The plan for this sync, every rank agreeing on it (one small CPU collective); rebuilt
+        when it is missing, a tensor is gone, the previous sync found a changed shape/dtype
+        (`invalidate`), or global rank 0 asks for another bucket order (`first`: the sending
+        transport's preference, see build_plan).
+
+        Shapes and dtypes are NOT compared here: that costs about a microsecond per tensor on
+        the critical path (1-2 ms for 2000 tensors, measured on an H200 host). iter_buckets
+        checks each tensor before it is read (`_ByName`) and sweeps the rest after the last
+        bucket was handed out; a mismatch anywhere makes the sync abort before its commit and
+        run again on a rebuilt plan (sync_weights). Tensors themselves are looked up by name."""
         t0 = time.perf_counter()
         ts = None
         if self._index is not None:
@@ -156,12 +165,12 @@ class BucketExporter:
         if self._index is None:
             self._index = ParamIndex(self.models)
             ts = self._index.lookup()
-        shapes = ParamIndex.shapes(ts)
         self._params = ts
+        self.stale_seen = False
         peer = self._peer
         if peer is not None:
             torch.cuda.current_stream().synchronize()  # the leader may read our experts right away
-        stale = self._plan is None or self._sig is None or self._sig[0] is not self._index or self._sig[1] != shapes
+        stale = self._plan is None or self._sig is None or self._sig[0] is not self._index or self._invalid
         moved = peer is not None and not stale and peer.stale(self._peer_tensors())
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         want = BUCKET_ORDERS.index(first) + 1 if rank0 and first is not None else 0
@@ -176,6 +185,7 @@ class BucketExporter:
             self._params = self._index.lookup()
             self._plan = build_plan(self.bridge, self.models, self.bucket_bytes, first=order)
             self._sig = (self._index, ParamIndex.shapes(self._params))
+            self._invalid = False
             self.rebuilds += 1
             if self._pool is not None:
                 self._pool.release()
@@ -187,6 +197,15 @@ class BucketExporter:
         # (waits for the slowest rank), rebuild/publish
         self.plan_timings = {"plan_local_s": t1 - t0, "plan_flags_s": t2 - t1, "plan_rest_s": time.perf_counter() - t2}
         return self._plan
+
+    def invalidate(self) -> None:
+        """Every rank: the next plan() rebuilds the plan (a sync saw a changed shape or dtype)."""
+        self._invalid = True
+
+    def _sweep(self, params: "_ByName") -> bool:
+        """After the last bucket: did any of this rank's tensors change shape or dtype? (one
+        C-level pass over all of them, while the GPU / the engines still work on the buckets)"""
+        return params.stale or ParamIndex.shapes(params.ts) != self._sig[1]
 
     # -- intra-node expert gather (peer_gather.py) ----------------------------------------------------
     def _peer_possible(self) -> bool:
@@ -233,12 +252,12 @@ class BucketExporter:
         else:
             self._peer, self._peer_ok = None, False
 
-    def _peer_done(self) -> None:
-        """After the last bucket: the leader's reads finished before any member moves on."""
-        if self._peer is not None:
-            if dist.get_rank() == self._peer.leader:
-                torch.cuda.current_stream().synchronize()
-            self.flag_max(0)
+    def _peer_done(self, stale: bool) -> None:
+        """After the last bucket, every rank: the leader's peer reads finished before any member
+        moves on, and everyone learns whether some rank saw a changed shape (`stale_seen`)."""
+        if self._peer is not None and dist.get_rank() == self._peer.leader:
+            torch.cuda.current_stream().synchronize()
+        self.stale_seen = bool(self.flag_max(int(stale)))
 
     def flag_max(self, *values: int):
         """Max of small ints over all trainer ranks (each on its own), on the CPU (gloo). One
@@ -270,7 +289,7 @@ class BucketExporter:
             raise ValueError(f"layout must be 'full' or 'ipc', got {layout!r}")
         if plan is None or getattr(self, "_params", None) is None:
             plan = self.plan()
-        params = _ByName(self._index.pos, self._params)
+        params = _ByName(self._index.pos, self._params, self._sig[1])
         self._params = None  # the next iteration looks the tensors up again
         rank = dist.get_rank() if dist.is_initialized() else 0
         dev = _dev_of(self.models)
@@ -314,7 +333,7 @@ class BucketExporter:
                         for r in _p2p([dist.P2POp(dist.irecv, dest, leader, ctx.pp_group)]):
                             r.wait()
                 yield b, (dest if rank == 0 else None), direct
-        self._peer_done()
+        self._peer_done(self._sweep(params))
 
     @staticmethod
     def _place(t: TensorSlot, src: torch.Tensor, dest, layout, direct, param=None) -> None:
@@ -365,10 +384,12 @@ class BucketExporter:
         if not ctx.expert_part:
             return
         g = b.experts
-        local = [params[(g.vpp, p.local_name)] for p in g.params]
         members = len(b.experts.slots)
         ranks = dist.get_process_group_ranks(ctx.expert_group) if members > 1 else [leader]
         if members == 1 and layout == "ipc" and all(t.direct for t in b.tensors):
+            # unchecked here (the engine reads them; nothing is copied on this side): the sweep
+            # after the last bucket checks them while the engine copies
+            local = [params.raw((g.vpp, p.local_name)) for p in g.params]
             # no gather, nothing packed: the sender's own experts are the HF tensors, at byte
             # offsets the plan already knows (no per-tensor conversion call)
             cache = self._direct_cache.get(b.index)
@@ -378,6 +399,7 @@ class BucketExporter:
                     for p, idx in zip(g.params, g.slots[0])])
             direct.extend(zip(local, cache[1]))
             return
+        local = [params[(g.vpp, p.local_name)] for p in g.params]
         if g.in_place and self._peer is not None:
             if ctx.rank == leader:  # members launch nothing: the leader reads their memory
                 rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
@@ -468,14 +490,27 @@ class BucketExporter:
 
 
 class _ByName:
-    """params[(vpp, name)] -> this sync's tensor (no per-sync dict of all tensors)."""
+    """params[(vpp, name)] -> this sync's tensor, checked against the plan's shape and dtype.
 
-    __slots__ = ("pos", "ts")
+    A mismatch sets `stale` and hands out zeros of the planned shape instead, so every
+    collective of the sync still matches across ranks; the sync then aborts before its commit
+    (sync_weights) and runs again on a rebuilt plan."""
 
-    def __init__(self, pos: dict, ts: list):
-        self.pos, self.ts = pos, ts
+    __slots__ = ("pos", "ts", "expect", "stale")
+
+    def __init__(self, pos: dict, ts: list, expect: list):
+        self.pos, self.ts, self.expect, self.stale = pos, ts, expect, False
 
     def __getitem__(self, key):
+        i = self.pos[key]
+        t = self.ts[i]
+        shape, dtype = self.expect[i]
+        if t.shape != shape or t.dtype != dtype:
+            self.stale = True
+            t = torch.zeros(shape, dtype=dtype, device=t.device)
+        return t
+
+    def raw(self, key):
         return self.ts[self.pos[key]]
 
 

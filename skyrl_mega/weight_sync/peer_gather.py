@@ -8,10 +8,9 @@ the leader copies into the packed bucket row of that member (`copy_rows`).
 Why: with the NCCL point-to-point gather, every member runs a send kernel for every bucket. When
 a member's GPU also hosts an engine or a receiver (2-GPU boxes, co-located engines), that kernel
 takes GPU time slices from the engine's receive kernel, which then runs at about half speed.
-Here members launch no work during a sync at all: the reads run on the leader as peer copies
-over NVLink, enqueued on the leader's own stream (cuda_copy.py; PyTorch's copy_ would enqueue
-them on the member GPU). Members only synchronise their streams before (their parameters are
-final) and wait on a CPU barrier after (the leader finished reading).
+Here members launch no work during a sync at all: the leader's process copies the bytes over
+NVLink (copy engines, no kernel on the member's side). Members only synchronise their streams
+before (their parameters are final) and wait on a CPU barrier after (the leader finished reading).
 
 Used (export.py, gather="auto") when every trainer rank runs on one host with CUDA, with one
 pipeline stage and ETP=1, and the leader can open every member's GPU (matched by device UUID);
@@ -80,9 +79,10 @@ class PeerExpertGather:
         self._sig = None
         self._runs: dict[tuple[int, int], list[tuple[torch.Tensor, int, int]]] = {}  # (bucket, member) -> runs
         self._opened: dict = {}
-        # "driver": peer copies on the leader's stream (cuda_copy.py); "torch": Tensor.copy_,
-        # which enqueues them on the member GPU's stream (kept for the benchmark's comparison)
-        self.copier = "driver" if cuda_copy.available() else "torch"
+        # "torch": Tensor.copy_ (PyTorch enqueues a cross-device copy on the member GPU's stream);
+        # "driver": on the leader's own stream (cuda_copy.py). Neither won consistently on
+        # 2 x H200 (within +-2% run to run, BENCHMARKS.md), so the plain one is the default
+        self.copier = "torch"
 
     def stale(self, local: dict[int, list[torch.Tensor]]) -> bool:
         sig = tuple((b, tuple((t.data_ptr(), t.numel() * t.element_size()) for t in ts))

@@ -32,10 +32,30 @@ logger = logging.getLogger(__name__)
 def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  gather: str = "auto") -> dict:
     """Collective over all trainer ranks. Returns timing/size metrics (rank 0's are real).
-    `gather`: how expert shards reach rank 0 ("auto": CUDA IPC reads within a host, else NCCL)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    `gather`: how expert shards reach rank 0 ("auto": CUDA IPC reads within a host, else NCCL).
+
+    A sync during which some rank saw a parameter with another shape or dtype than the plan
+    (export.BucketExporter) is aborted before its commit (the engines keep the old version)
+    and sent once more on a rebuilt plan."""
     t0 = time.perf_counter()
     ex = get_exporter(bridge, models, bucket_bytes, gather)
+    for attempt in range(2):
+        out = _sync_once(ex, transport, version)
+        if out is not None:
+            out["weight_sync/seconds"] = time.perf_counter() - t0
+            out["weight_sync/stale_retries"] = float(attempt)
+            if "weight_sync/GBps" in out:
+                out["weight_sync/GBps"] = out["weight_sync/bytes"] / out["weight_sync/seconds"] / 1e9
+            return out
+        logger.info("weight sync %s: a parameter changed shape or dtype; sending again on a new plan", version)
+        ex.invalidate()
+    raise WeightSyncError(f"weight sync {version}: parameters changed shape or dtype while it ran, twice")
+
+
+def _sync_once(ex, transport, version: int) -> dict | None:
+    """One attempt (every rank). None: some rank saw a stale plan; nothing was committed."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    t0 = time.perf_counter()
     plan = ex.plan(first=getattr(transport, "bucket_first", None) if rank == 0 else None)
     t_plan = time.perf_counter() - t0
     sending = rank == 0 and transport is not None
@@ -60,17 +80,20 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
             n += 1
         except BaseException as e:
             failure = e
+    stale = ex.stale_seen  # agreed by every rank at the end of iter_buckets
     report = None
-    if sending and failure is None:
+    if sending and failure is None and not stale:
         try:
             report = transport.finish()
         except BaseException as e:
             failure = e
-    if sending and failure is not None:
+    if sending and (failure is not None or stale):
         try:
             transport.abort()
         except Exception:
             logger.exception("abort after a failed weight sync")
+    if stale:
+        return None
     # every trainer rank learns whether the sync failed (a CPU collective: see flag_max)
     failed = ex.flag_max(int(failure is not None))
     if failure is not None:
@@ -91,4 +114,3 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
     if report is not None:
         transport.last_report = report
     return out
-

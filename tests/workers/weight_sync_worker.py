@@ -97,7 +97,7 @@ def main():
         results["export_s"] = time.perf_counter() - t0
         ref = {n: t.detach().cpu().clone().contiguous() for n, t in bridge.export_hf(models)}
         experts_first = [b.kind for b in get_exporter(bridge, models, BUCKET).plan().buckets]
-        plan = get_exporter(bridge, models, BUCKET).plan(first="dense")  # the broadcast transport's order
+        plan = get_exporter(bridge, models, BUCKET, "nccl").plan(first="dense")  # an exporter of its own
         if rank == 0:
             save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir, "export.safetensors"))
             save_file(ref, os.path.join(out_dir, "mbridge.safetensors"))
@@ -147,6 +147,23 @@ def main():
                 client.call("save_logits", {"input_ids": fixed_ids().tolist(), "file": "receiver_v4.safetensors"})
                 results["report_v4"] = client.call("report")[0]
                 results["sender_digest_v4"] = transport.last_digest
+            # 6) a parameter changes shape (same bytes) on the second pipeline stage only: the
+            #    export notices, the sync aborts before its commit and runs again on a new plan
+            from megatron.core import parallel_state as mpu
+
+            if mpu.get_pipeline_model_parallel_rank() == 1:
+                for m_ in models:
+                    for name, p in m_.named_parameters():
+                        if name.endswith("mlp.router.weight"):
+                            p.data = p.data.view(p.shape[1], p.shape[0])
+                            break
+            m = sync_weights(bridge, models, transport, version=5, bucket_bytes=BUCKET)
+            results["sync5"] = m
+            if rank == 0:
+                results["report_v5"] = client.call("report")[0]
+                results["sender_digest_v5"] = transport.last_digest
+                results["router_shapes_v5"] = {t.name: list(t.shape) for b in transport._plan.buckets
+                                               for t in b.tensors if t.name.endswith("mlp.gate.weight")}
         finally:
             if rank == 0:
                 stop(transport, rx_proc)
