@@ -2,7 +2,8 @@
 
     sync_weights(bridge, models, transport, version, bucket_bytes, gather)   the trainer's one call
     BucketExporter / get_exporter / export_hf_state_dict              coalesced HF export (export.py)
-    PeerExpertGather                                                  intra-node EP gather over CUDA IPC (peer_gather.py)
+    PeerExpertGather                                                  intra-node EP gather over CUDA IPC (peer_gather.py,
+                                                                      driver peer copies: cuda_copy.py)
     build_plan / BucketPlan                                           bucket plan (plan.py)
     NcclBroadcastTransport                                            NCCL / gloo broadcast (nccl.py)
     CudaIpcTransport                                                  co-located CUDA IPC (cuda_ipc.py)
