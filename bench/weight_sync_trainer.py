@@ -427,6 +427,19 @@ def run_trainer(a) -> None:
         import pstats
 
         ex = get_exporter(bridge, models, bucket, "auto")
+        # the by-name tensor lookup that opens every sync, timed warm (back to back), after the
+        # thread slept, and right after a CUDA synchronize (as in the timed syncs)
+        idx, lk = ex._index, {}
+        for label, before in (("warm", lambda: None), ("after_sleep", lambda: time.sleep(0.05)),
+                              ("after_cuda_sync", sync_all)):
+            ms = []
+            for _ in range(10):
+                before()
+                t = time.perf_counter()
+                idx.lookup()
+                ms.append((time.perf_counter() - t) * 1e3)
+            lk[label] = {"min": min(ms), "median": sorted(ms)[len(ms) // 2]}
+        res.setdefault("lookup_ms", {})[str(rank)] = {"tensors": len(idx.keys), **lk}
         for _ in range(2):
             barrier()
             sync_all()
