@@ -150,8 +150,11 @@ class CopyPlan:
     # _foreach_copy_ (one launch for many small tensors). Chosen by bench/weight_sync_bench.py.
     loop_min_bytes = 1 << 20
     # on CUDA, record the copies once per set of source buffers as a CUDA graph and replay it:
-    # one launch instead of one per run (the receiver's CPU no longer paces the copies)
-    use_graphs = True
+    # one launch instead of one per run. Off by default: with strided chains there are few
+    # launches left, and on 2 x H200 the same copies without a graph were faster in each of five
+    # runs (co-located sync, best of 3: 951-1196 vs 893-1123 GB/s), while the capture adds
+    # 10-15 ms to the first sync of every plan (BENCHMARKS.md)
+    use_graphs = False
     # runs of equal length whose destinations are back to back and whose sources sit at a constant
     # stride (either sign: one layer's experts in a DDP buffer, or in a packed bucket) become one
     # index_select into the destination block: a layer's gate_up / down experts in one kernel
