@@ -19,9 +19,11 @@ Per bucket, at most three collectives (never one per tensor):
 - pipeline stage s>0: its leader sends the finished bucket to global rank 0 (one send).
 Only the first data-parallel replica takes part; the gathers move data toward rank 0 only.
 
-The plan is checked on every sync (plan signature all-reduced over the world: one tiny
-collective) and rebuilt when any rank's parameters changed shape, dtype or name. Parameter
-tensors are looked up by name on every sync, never cached.
+Every sync starts with one tiny CPU collective (the plan is missing or invalid anywhere? which
+bucket order does rank 0's transport want?). Parameter tensors are looked up by name when a
+bucket reads them, never cached, and checked against the plan's shapes and dtypes; all of them
+are checked again after the last bucket. A mismatch on any rank aborts the sync before its
+commit and sync_weights sends it again on a rebuilt plan.
 """
 
 from __future__ import annotations
@@ -129,10 +131,11 @@ class BucketExporter:
         self._pool: SlotPool | None = None  # for non-zero stage leaders (their bucket before the send)
         self._direct_cache: dict = {}
         self._flat_cache: dict = {}
+        self._runs_cache: dict = {}
         self._view_cache: dict = {}  # (vpp, name) -> ((data_ptr, shape, dtype), HF views); see _views
         self._peer_pos = None  # (plan, bucket -> positions of its experts in the ParamIndex order)
         self._index: ParamIndex | None = None
-        self._params: list[torch.Tensor] | None = None  # this sync's tensors, in _index.keys order
+        self._planned = False  # plan() ran for the next iter_buckets
         self._sig = None  # (index, shapes) the plan was built for
         self._invalid = False  # set by invalidate(): rebuild on the next plan()
         self.stale_seen = False  # the last iter_buckets saw a changed shape/dtype on some rank
@@ -150,50 +153,41 @@ class BucketExporter:
         (`invalidate`), or global rank 0 asks for another bucket order (`first`: the sending
         transport's preference, see build_plan).
 
-        Shapes and dtypes are NOT compared here: that costs about a microsecond per tensor on
-        the critical path (1-2 ms for 2000 tensors, measured on an H200 host). iter_buckets
-        checks each tensor before it is read (`_ByName`) and sweeps the rest after the last
-        bucket was handed out; a mismatch anywhere makes the sync abort before its commit and
-        run again on a rebuilt plan (sync_weights). Tensors themselves are looked up by name."""
+        Nothing is looked up or compared here: touching every tensor costs about a microsecond
+        each on the critical path (1-2 ms for 2000 tensors on an H200 host right after a
+        blocking wait). iter_buckets looks every tensor up by name and checks its shape and
+        dtype when the bucket that reads it is packed (`_ByName`), and sweeps all of them after
+        the last bucket (also: did a member's experts move since it published them); a mismatch
+        anywhere makes the sync abort before its commit and run again on a rebuilt plan
+        (sync_weights). Tensors are never cached across syncs."""
         t0 = time.perf_counter()
-        ts = None
-        if self._index is not None:
-            try:
-                ts = self._index.lookup()  # fresh tensors, by name
-            except KeyError:
-                self._index = None
-        if self._index is None:
-            self._index = ParamIndex(self.models)
-            ts = self._index.lookup()
-        self._params = ts
         self.stale_seen = False
         peer = self._peer
         if peer is not None:
             torch.cuda.current_stream().synchronize()  # the leader may read our experts right away
-        stale = self._plan is None or self._sig is None or self._sig[0] is not self._index or self._invalid
-        moved = peer is not None and not stale and peer.stale(self._peer_tensors())
+        stale = self._plan is None or self._index is None or self._sig is None or self._invalid
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         want = BUCKET_ORDERS.index(first) + 1 if rank0 and first is not None else 0
         t1 = time.perf_counter()
-        stale, moved, want = self.flag_max(int(stale), int(moved), want)
+        stale, want = self.flag_max(int(stale), want)
         t2 = time.perf_counter()
         order = BUCKET_ORDERS[want - 1] if want else (self._plan.first if self._plan is not None else "experts")
-        flags = stale | moved
         if stale or self._plan.first != order:
-            flags = 1
+            stale = 1
             self._index = ParamIndex(self.models)  # a full traversal whenever anything changed
-            self._params = self._index.lookup()
+            ts = self._index.lookup()
             self._plan = build_plan(self.bridge, self.models, self.bucket_bytes, first=order)
-            self._sig = (self._index, ParamIndex.shapes(self._params))
+            self._sig = (self._index, ParamIndex.shapes(ts))
             self._invalid = False
             self.rebuilds += 1
             if self._pool is not None:
                 self._pool.release()
         if self._peer_ok is None:
             self._peer_ok = self._peer_possible()
-        if self._peer_ok and (flags or self._peer is None):
+        if self._peer_ok and (stale or self._peer is None):
             self._publish_peer()
-        # where the check's time goes (sync_weights reports it): local lookup, the flag round
+        self._planned = True
+        # where the check's time goes (sync_weights reports it): local part, the flag round
         # (waits for the slowest rank), rebuild/publish
         self.plan_timings = {"plan_local_s": t1 - t0, "plan_flags_s": t2 - t1, "plan_rest_s": time.perf_counter() - t2}
         return self._plan
@@ -203,9 +197,19 @@ class BucketExporter:
         self._invalid = True
 
     def _sweep(self, params: "_ByName") -> bool:
-        """After the last bucket: did any of this rank's tensors change shape or dtype? (one
-        C-level pass over all of them, while the GPU / the engines still work on the buckets)"""
-        return params.stale or ParamIndex.shapes(params.ts) != self._sig[1]
+        """After the last bucket: is any of this rank's tensors gone, reshaped, retyped, or (a
+        member of the intra-node gather) somewhere else than it published? One C-level pass over
+        all of them, while the GPU / the engines still work on the buckets."""
+        if params.stale:
+            return True
+        try:
+            ts = self._index.lookup()
+        except KeyError:
+            return True
+        if ParamIndex.shapes(ts) != self._sig[1]:
+            return True
+        peer = self._peer
+        return peer is not None and dist.get_rank() != peer.leader and peer.stale(self._peer_tensors(ts))
 
     # -- intra-node expert gather (peer_gather.py) ----------------------------------------------------
     def _peer_possible(self) -> bool:
@@ -224,11 +228,12 @@ class BucketExporter:
                                "host with CUDA")
         return ok
 
-    def _peer_tensors(self) -> dict[int, list[torch.Tensor]]:
-        """bucket index -> this rank's local experts in packing order ({} outside the gather)."""
+    def _peer_tensors(self, params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+        """bucket index -> this rank's local experts in packing order ({} outside the gather).
+        `params`: this rank's tensors in ParamIndex order (a fresh lookup)."""
         from megatron.core import parallel_state as mpu
 
-        if mpu.get_expert_data_parallel_rank() != 0 or self._params is None:
+        if mpu.get_expert_data_parallel_rank() != 0:
             return {}
         pos = self._peer_pos
         if pos is None or pos[0] is not self._plan or pos[1] is not self._index:  # positions, per plan
@@ -236,7 +241,6 @@ class BucketExporter:
             pos = self._peer_pos = (self._plan, self._index, {
                 b.index: [at[(b.experts.vpp, p.local_name)] for p in b.experts.params]
                 for b in self._plan.buckets if b.kind != "dense"})
-        params = self._params
         return {b: [params[i] for i in idx] for b, idx in pos[2].items()}
 
     def _publish_peer(self) -> None:
@@ -247,7 +251,7 @@ class BucketExporter:
 
         group = _expert_group(dict(etp=mpu.get_expert_tensor_parallel_world_size()))
         peer = PeerExpertGather(self._flag_group, self._plan.leaders[0], dist.get_process_group_ranks(group))
-        if peer.publish(self._peer_tensors()):
+        if peer.publish(self._peer_tensors(self._index.lookup())):
             self._peer = peer
         else:
             self._peer, self._peer_ok = None, False
@@ -287,10 +291,10 @@ class BucketExporter:
 
         if layout not in ("full", "ipc"):
             raise ValueError(f"layout must be 'full' or 'ipc', got {layout!r}")
-        if plan is None or getattr(self, "_params", None) is None:
+        if plan is None or not self._planned:
             plan = self.plan()
-        params = _ByName(self._index.pos, self._params, self._sig[1])
-        self._params = None  # the next iteration looks the tensors up again
+        self._planned = False  # the next iteration checks the plan again
+        params = _ByName(self._index, self._sig[1])
         rank = dist.get_rank() if dist.is_initialized() else 0
         dev = _dev_of(self.models)
         ctx = _Ctx(
@@ -405,28 +409,27 @@ class BucketExporter:
                 rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
                         for m in range(members)]
                 mine = rows[ranks.index(leader)]
-                if self.local_copy == "memcpy":
-                    for p, t in zip(g.params, local):  # copy engine: leaves the SMs to the broadcast
-                        mine[p.offset: p.offset + p.nbytes].copy_(_bytes(t))
+                if self.local_copy == "memcpy":  # no kernel: leaves the SMs to the broadcast
+                    for src, pos, n in self._row_runs(b.index, local):
+                        mine[pos: pos + n].copy_(src)
                 else:
                     flats = self._flats(b.index, local)
                     torch.cat(flats, out=mine if flats[0].dtype == torch.uint8 else mine.view(flats[0].dtype))
                 self._peer.copy_rows(b.index, rows)
             return
         if g.in_place:
-            flats = self._flats(b.index, local)
+            runs = self._row_runs(b.index, local)
             rows = None
             if ctx.rank == leader:
                 rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
                         for m in range(members)]
                 send = rows[ranks.index(leader)]
-                if flats[0].dtype == torch.uint8:
-                    torch.cat(flats, out=send)
-                else:
-                    torch.cat(flats, out=send.view(flats[0].dtype))
+                for src, pos, n in runs:
+                    send[pos: pos + n].copy_(src)
+            elif len(runs) == 1:
+                send = runs[0][0]  # the row is this rank's memory as it is: sent without a copy
             else:
-                send = torch.cat(flats)
-                send = send.view(torch.uint8)
+                send = torch.cat([src for src, _, _ in runs])
             if members > 1:
                 _gather_rows(send, rows, leader, ranks, ctx.expert_group)
             return
@@ -481,6 +484,27 @@ class BucketExporter:
             c = self._flat_cache[key] = (ptrs, [t.view(-1) if same else _bytes(t) for t in local])
         return c[1]
 
+    def _row_runs(self, key, local: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
+        """One layer's local experts as (source bytes, position in the row, nbytes) runs: tensors
+        back to back in memory (the plan packs them in address order) merge into one run, so a
+        row is usually one copy. Rebuilt only when a tensor moved."""
+        from .ipc_handles import storage_bytes
+
+        ptrs = tuple(t.data_ptr() for t in local)
+        c = self._runs_cache.get(key)
+        if c is None or c[0] != ptrs:
+            runs, pos = [], 0
+            for t in local:
+                n = t.numel() * t.element_size()
+                whole, off = storage_bytes(t)
+                if runs and runs[-1][0].data_ptr() == whole.data_ptr() and runs[-1][1] + runs[-1][3] == off:
+                    runs[-1][3] += n
+                else:
+                    runs.append([whole, off, pos, n])
+                pos += n
+            c = self._runs_cache[key] = (ptrs, [(w[o: o + n], p, n) for w, o, p, n in runs])
+        return c[1]
+
     def _global(self, p, ep_rank: int, b: BucketSpec) -> str:
         from .plan import _EXPERT
 
@@ -490,28 +514,38 @@ class BucketExporter:
 
 
 class _ByName:
-    """params[(vpp, name)] -> this sync's tensor, checked against the plan's shape and dtype.
+    """params[(vpp, name)] -> the tensor, looked up by name from its owner now, and checked
+    against the plan's shape and dtype.
 
-    A mismatch sets `stale` and hands out zeros of the planned shape instead, so every
-    collective of the sync still matches across ranks; the sync then aborts before its commit
-    (sync_weights) and runs again on a rebuilt plan."""
+    A tensor that is gone or does not match sets `stale`, and zeros of the planned shape are
+    handed out instead, so every collective of the sync still matches across ranks; the sync
+    then aborts before its commit (sync_weights) and runs again on a rebuilt plan."""
 
-    __slots__ = ("pos", "ts", "expect", "stale")
+    __slots__ = ("index", "expect", "stale")
 
-    def __init__(self, pos: dict, ts: list, expect: list):
-        self.pos, self.ts, self.expect, self.stale = pos, ts, expect, False
+    def __init__(self, index: ParamIndex, expect: list):
+        self.index, self.expect, self.stale = index, expect, False
+
+    def _zeros(self, i: int, like) -> torch.Tensor:
+        self.stale = True
+        shape, dtype = self.expect[i]
+        return torch.zeros(shape, dtype=dtype, device=like.device if like is not None else None)
 
     def __getitem__(self, key):
-        i = self.pos[key]
-        t = self.ts[i]
+        i = self.index.pos[key]
+        t = self.index.get(i)
+        if t is None:
+            return self._zeros(i, None)
         shape, dtype = self.expect[i]
         if t.shape != shape or t.dtype != dtype:
-            self.stale = True
-            t = torch.zeros(shape, dtype=dtype, device=t.device)
+            return self._zeros(i, t)
         return t
 
     def raw(self, key):
-        return self.ts[self.pos[key]]
+        """Looked up, not checked (the sweep after the last bucket checks it)."""
+        i = self.index.pos[key]
+        t = self.index.get(i)
+        return t if t is not None else self._zeros(i, None)
 
 
 class _Ctx:

@@ -209,11 +209,10 @@ class ParamIndex:
     """Where every exported tensor lives: `keys[i]` = (vpp, name), owned by module `_mods[i]`
     under attribute `_attrs[i]` of its `_parameters` or `_buffers` dict.
 
-    Built with one full module traversal; afterwards `lookup()` re-reads every tensor by name
-    from its owner, so a parameter whose tensor was replaced (`p.data = ...`, a new
-    nn.Parameter) is seen on the next sync without walking the module tree again. Lookup and
-    `shapes()` run as C-level maps (about 0.3 ms for 1200 tensors instead of about 1 ms as a
-    Python loop): they sit on every sync's critical path."""
+    Built with one full module traversal; afterwards `get(i)` / `lookup()` re-read tensors by
+    name from their owners, so a parameter whose tensor was replaced (`p.data = ...`, a new
+    nn.Parameter) is seen on the next sync without walking the module tree again. `lookup()`
+    and `shapes()` run as C-level maps (0.1 ms for 1139 tensors on a warm CPU)."""
 
     def __init__(self, models):
         self.keys: list[tuple[int, str]] = []
@@ -236,6 +235,10 @@ class ParamIndex:
             if t is None:
                 raise KeyError(self.keys[i][1])
         return ts
+
+    def get(self, i: int) -> torch.Tensor | None:
+        """Tensor `i`, read from its owner now (None if it is gone)."""
+        return getattr(self._mods[i], self._kinds[i]).get(self._attrs[i])
 
     @staticmethod
     def shapes(ts: list[torch.Tensor]) -> list[tuple]:
@@ -464,6 +467,8 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first: 
         stages = [None] * par["pp"]
         dist.all_gather_object(stages, local, group=mpu.get_pipeline_model_parallel_group())
 
+    orders = _expert_memory_orders(models, maps, pp_rank, par) if par["num_experts"] else {}
+
     pb = _PlanBuilder(impl, par, bucket_bytes)
     for stage, entries in enumerate(stages):
         pending: dict[tuple[int, int], list[ExpertParam]] = {}
@@ -486,7 +491,13 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first: 
                 continue
             pb.add_dense(stage, vpp, lname, gname, shape, dt, tp_sharded, pdim)
         for vpp, layer in order:
-            pb.add_experts(stage, vpp, layer, pending[(vpp, layer)])
+            params = pending[(vpp, layer)]
+            mem = orders.get((stage, vpp, layer))
+            if mem is not None and sorted(mem) == list(range(len(params))):
+                params, off = [params[i] for i in mem], 0
+                for p in params:  # the row follows the sender's memory: one copy per row
+                    p.offset, off = off, off + p.nbytes
+            pb.add_experts(stage, vpp, layer, params)
         pb.flush_dense()
     # number every tensor in bucket order; compact IPC layout. The order per stage:
     # - "experts" first (CUDA IPC): expert buckets cost the sender no per-tensor work (zero copy,
@@ -517,6 +528,33 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first: 
     plan = BucketPlan(buckets, bucket_bytes, signature(models), leaders, par["ep_members"], first=first)
     plan.plan_id = hashlib.sha256(json.dumps(plan.wire(), sort_keys=True).encode()).hexdigest()[:16]
     return plan
+
+
+def _expert_memory_orders(models, maps, pp_rank: int, par: dict) -> dict:
+    """(stage, vpp, layer) -> the order of that layer's local expert tensors by address, agreed by
+    every rank (collective).
+
+    A layer's local experts usually sit back to back in the DDP parameter buffer (in reverse
+    order of declaration). Packed in address order, an EP rank's row of an expert bucket is one
+    contiguous copy of its memory instead of one copy per tensor. Ranks whose layouts differ
+    (or any doubt) keep the declaration order for that layer."""
+    import torch.distributed as dist
+
+    mine: dict = {}
+    for vpp, name, t in local_params(models):
+        gname = maps[vpp][name]
+        m = _EXPERT.match(gname)
+        if m:
+            key = (pp_rank, vpp, int(_LAYER.search(gname).group(1)))
+            mine.setdefault(key, []).append(t.data_ptr())
+    mine = {k: tuple(sorted(range(len(v)), key=v.__getitem__)) for k, v in mine.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    agreed: dict = {}
+    for d in everyone:
+        for k, order in d.items():
+            agreed[k] = order if agreed.get(k, order) == order else None
+    return {k: v for k, v in agreed.items() if v is not None}
 
 
 def _expert_group(par):
