@@ -35,6 +35,7 @@ def test_lookup_follows_replaced_tensors_and_shapes_reveal_changes():
     m.router.expert_bias = torch.ones(3)
     ts = idx.lookup()
     assert all(a is b for a, b in zip(ts, _reference(m)))
+    assert all(idx.get(i) is t for i, t in enumerate(_reference(m)))  # one tensor at a time, as the export reads
     assert ParamIndex.shapes(ts) == before
 
     m.decoder[0].weight.data = torch.ones(8, 5)  # same Parameter object, new shape: stale
@@ -49,3 +50,4 @@ def test_lookup_raises_when_a_parameter_is_gone():
     del m.decoder[1].bias
     with pytest.raises(KeyError, match="decoder.1.bias"):
         idx.lookup()
+    assert idx.get(idx.pos[(0, "decoder.1.bias")]) is None

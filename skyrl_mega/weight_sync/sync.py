@@ -11,7 +11,9 @@ Transports:
   engines once per sync.
 - any other WeightTransport (the CPU SharedMemoryTransport): gets each bucket as (name, tensor)
   views of the packed buffer through send().
-The bucket plan is built once and re-verified on every sync (export.BucketExporter.plan).
+The bucket plan is built once and verified against every tensor on every sync, before the
+commit (export.BucketExporter); a sync that finds it stale is aborted and sent again on a
+rebuilt plan.
 """
 
 from __future__ import annotations
