@@ -219,14 +219,12 @@ def run_trainer(a) -> None:
             transport.pool.drain()
             transport.num_slots, transport.pool = n, SlotPool(dev, n=n)
 
-    def set_copier(peer_copy, own_row, first):
-        """How the leader fills an expert bucket (peer_gather.PeerExpertGather.copier,
-        BucketExporter.local_copy) and which bucket kind the plan sends first."""
+    def set_copier(peer_copy, first):
+        """How the leader reads the other ranks' experts (peer_gather.PeerExpertGather.copier)
+        and which bucket kind the plan sends first."""
         ex = get_exporter(bridge, models, bucket, "auto")
         if ex._peer is not None and peer_copy != "-":
             ex._peer.copier = peer_copy
-        if own_row != "-":
-            ex.local_copy = own_row
         if rank == 0:
             transport.bucket_first = first
 
@@ -234,29 +232,29 @@ def run_trainer(a) -> None:
 
     def s_e2e():
         if a.phase == "nccl":
-            # (gather, sender slots, receiver copies, leader's peer copies, leader's own row, first
-            # bucket kind) variants, each measured here
-            best = ("auto", 3, MiB, True, True, "torch", "memcpy", "experts")
-            variants = [best, best[:5] + ("driver",) + best[6:], best[:7] + ("dense",), best[:6] + ("cat", "experts"),
-                        ("auto", 2) + best[2:], ("nccl",) + best[1:5] + ("-", "-", "experts")
-                        ] if world > 1 else [("auto", 2, MiB, False, False, "-", "-", "experts")]
+            # (gather, sender slots, receiver copies, leader's peer copies, first bucket kind)
+            # variants, each measured here
+            best = ("auto", 3, MiB, True, True, "torch", "experts")
+            variants = [best, best[:5] + ("driver", "experts"), best[:6] + ("dense",),
+                        ("auto", 2) + best[2:], ("nccl",) + best[1:5] + ("-", "experts")
+                        ] if world > 1 else [("auto", 2, MiB, False, False, "-", "experts")]
             runs = []
-            for g, slots, lm, gr, sd, cp, lc, first in variants:
+            for g, slots, lm, gr, sd, cp, first in variants:
                 set_slots(slots)
                 copy_mode(lm, gr, sd)
-                set_copier(cp, lc, first)
+                set_copier(cp, first)
                 runs.append(measure(f"gather={g}, {slots} sender slots, receiver {copies_label(lm, gr, sd)}"
-                                    + (f", peer copies {cp}, own row {lc}" if cp != "-" else "")
+                                    + (f", peer copies {cp}" if cp != "-" else "")
                                     + f", {first} buckets first", g))
-                runs[-1]["config"] = [g, slots, lm, gr, sd, cp, lc, first]
+                runs[-1]["config"] = [g, slots, lm, gr, sd, cp, first]
             res["nccl_sweep"] = runs
             res["e2e_by_gather"] = {g: max((r for r in runs if r["config"][0] == g), key=lambda r: r["best_GBps"])
                                     for g in gathers}
             res["e2e"] = res["e2e_by_gather"]["auto"]
-            _, slots, lm, gr, sd, cp, lc, first = res["e2e"]["config"]
+            _, slots, lm, gr, sd, cp, first = res["e2e"]["config"]
             set_slots(slots)
             copy_mode(lm, gr, sd)
-            set_copier(cp, lc, first)
+            set_copier(cp, first)
             return
         # co-located: IPC round size x the engine's copy mode, each measured here
         runs = []

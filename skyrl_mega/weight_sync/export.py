@@ -130,7 +130,6 @@ class BucketExporter:
         self.rebuilds = 0
         self._pool: SlotPool | None = None  # for non-zero stage leaders (their bucket before the send)
         self._direct_cache: dict = {}
-        self._flat_cache: dict = {}
         self._runs_cache: dict = {}
         self._view_cache: dict = {}  # (vpp, name) -> ((data_ptr, shape, dtype), HF views); see _views
         self._peer_pos = None  # (plan, bucket -> positions of its experts in the ParamIndex order)
@@ -141,10 +140,6 @@ class BucketExporter:
         self.stale_seen = False  # the last iter_buckets saw a changed shape/dtype on some rank
         self._flag_group = None
         self.plan_timings: dict[str, float] = {}
-        # the leader's own experts into its bucket row (IPC gather): "memcpy" (one copy per tensor,
-        # no kernel: a concatenation kernel takes every SM and delays the next NCCL broadcast
-        # kernel by its whole run, measured on H200) or "cat" (one kernel; kept for the benchmark)
-        self.local_copy = "memcpy"
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self, first: str | None = None) -> BucketPlan:
@@ -409,12 +404,10 @@ class BucketExporter:
                 rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
                         for m in range(members)]
                 mine = rows[ranks.index(leader)]
-                if self.local_copy == "memcpy":  # no kernel: leaves the SMs to the broadcast
-                    for src, pos, n in self._row_runs(b.index, local):
-                        mine[pos: pos + n].copy_(src)
-                else:
-                    flats = self._flats(b.index, local)
-                    torch.cat(flats, out=mine if flats[0].dtype == torch.uint8 else mine.view(flats[0].dtype))
+                # copies, no kernel: a concatenation kernel takes every SM and delayed the next
+                # NCCL broadcast kernel by its whole run (measured on H200)
+                for src, pos, n in self._row_runs(b.index, local):
+                    mine[pos: pos + n].copy_(src)
                 self._peer.copy_rows(b.index, rows)
             return
         if g.in_place:
@@ -475,34 +468,16 @@ class BucketExporter:
             self._view_cache[key] = ((p.data_ptr(), p.shape, p.dtype), outs)
         return outs
 
-    def _flats(self, key, local: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Flat views of one layer's local experts (rebuilt only when a tensor moved)."""
-        ptrs = tuple(t.data_ptr() for t in local)
-        c = self._flat_cache.get(key)
-        if c is None or c[0] != ptrs:
-            same = len({t.dtype for t in local}) == 1
-            c = self._flat_cache[key] = (ptrs, [t.view(-1) if same else _bytes(t) for t in local])
-        return c[1]
-
     def _row_runs(self, key, local: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
-        """One layer's local experts as (source bytes, position in the row, nbytes) runs: tensors
-        back to back in memory (the plan packs them in address order) merge into one run, so a
-        row is usually one copy. Rebuilt only when a tensor moved."""
-        from .ipc_handles import storage_bytes
+        """One layer's local experts as copy runs (ipc_handles.byte_runs): the plan packs them in
+        address order, so a row is usually one copy. Rebuilt only when a tensor moved."""
+        from .ipc_handles import byte_runs, storage_bytes
 
         ptrs = tuple(t.data_ptr() for t in local)
         c = self._runs_cache.get(key)
         if c is None or c[0] != ptrs:
-            runs, pos = [], 0
-            for t in local:
-                n = t.numel() * t.element_size()
-                whole, off = storage_bytes(t)
-                if runs and runs[-1][0].data_ptr() == whole.data_ptr() and runs[-1][1] + runs[-1][3] == off:
-                    runs[-1][3] += n
-                else:
-                    runs.append([whole, off, pos, n])
-                pos += n
-            c = self._runs_cache[key] = (ptrs, [(w[o: o + n], p, n) for w, o, p, n in runs])
+            pieces = ((*storage_bytes(t), t.numel() * t.element_size()) for t in local)
+            c = self._runs_cache[key] = (ptrs, byte_runs(pieces))
         return c[1]
 
     def _global(self, p, ep_rank: int, b: BucketSpec) -> str:

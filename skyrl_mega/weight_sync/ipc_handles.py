@@ -26,6 +26,20 @@ def storage_bytes(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return whole, t.storage_offset() * t.element_size()
 
 
+def byte_runs(pieces) -> list[tuple[torch.Tensor, int, int]]:
+    """Pieces (whole uint8 storage, byte offset, nbytes), in packing order -> copy runs
+    (source bytes, position in the packed row, nbytes): pieces back to back in the same storage
+    merge into one run, so memory packed in address order is one copy."""
+    runs, pos = [], 0
+    for whole, off, n in pieces:
+        if runs and runs[-1][0].data_ptr() == whole.data_ptr() and runs[-1][1] + runs[-1][3] == off:
+            runs[-1][3] += n
+        else:
+            runs.append([whole, off, pos, n])
+        pos += n
+    return [(w[o: o + n], p, n) for w, o, p, n in runs]
+
+
 def shm_buffer(nbytes: int, root: str = "/dev/shm") -> tuple[torch.Tensor, str]:
     fd, path = tempfile.mkstemp(prefix="skyrl_ws_ipc_", dir=root)
     os.ftruncate(fd, max(1, nbytes))

@@ -129,16 +129,9 @@ class PeerExpertGather:
                             cuda_copy.enable_peer_access(torch.device("cuda", torch.cuda.current_device()),
                                                          self._opened[key])
                         wholes.append(self._opened[key])
-                    for b, rows in info["buckets"].items():
-                        runs, pos = [], 0
-                        for s, off, n in rows:
-                            if runs and runs[-1][0] is wholes[s] and runs[-1][1] + runs[-1][3] == off:
-                                runs[-1][3] += n  # back to back in the member's memory: one copy
-                            else:
-                                runs.append([wholes[s], off, pos, n])
-                            pos += n
-                        self._runs[(int(b), info["rank"])] = [
-                            (w[o: o + n], p, n) for w, o, p, n in runs]
+                    for b, rows in info["buckets"].items():  # back to back in its memory: one copy
+                        self._runs[(int(b), info["rank"])] = ipc_handles.byte_runs(
+                            (wholes[s], off, n) for s, off, n in rows)
             except Exception as e:
                 logger.warning("intra-node expert gather unavailable (%s); using NCCL point-to-point", e)
                 ok = 0

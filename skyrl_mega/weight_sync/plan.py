@@ -22,10 +22,10 @@ planning. `direct` marks a tensor that is a contiguous view of one of the SENDER
 parameters (no gather or conversion copy needed): the CUDA IPC transport hands those out
 without packing them (`ipc_offset = -1`); its other tensors get a compact `ipc_offset`.
 
-The plan stays valid while `signature(models)` (names, shapes, dtypes of every local
-parameter) is unchanged; the exporter re-checks that on every sync and rebuilds the plan
-when any rank sees a change. Parameter tensors are never cached: they are looked up by name
-on every sync.
+The plan stays valid while the names, shapes and dtypes of every local parameter are
+unchanged; the exporter (export.py) checks that on every sync and rebuilds the plan when any
+rank sees a change. Parameter tensors are never cached: they are looked up by name on every
+sync.
 """
 
 from __future__ import annotations
@@ -139,7 +139,6 @@ class BucketSpec:
 class BucketPlan:
     buckets: list[BucketSpec]
     bucket_bytes: int
-    signature: tuple
     leaders: list[int]  # global rank that assembles each pipeline stage's buckets
     ep_members: list[tuple[int, int]]  # (ep_rank, etp_rank) of each member of this rank's expert gather group
     plan_id: str = ""
@@ -257,11 +256,6 @@ def local_params_of(vpp, m):
     for name, b in m.named_buffers():
         if "expert_bias" in name and name not in seen and "_extra_state" not in name:
             yield name, b
-
-
-def signature(models, params=None) -> tuple:
-    """Names, shapes and dtypes of this rank's exported tensors (a change means: rebuild the plan)."""
-    return tuple((vpp, name, t.shape, t.dtype) for vpp, name, t in (params or local_params(models)))
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -467,7 +461,7 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first: 
         stages = [None] * par["pp"]
         dist.all_gather_object(stages, local, group=mpu.get_pipeline_model_parallel_group())
 
-    orders = _expert_memory_orders(models, maps, pp_rank, par) if par["num_experts"] else {}
+    orders = _expert_memory_orders(models, maps, pp_rank) if par["num_experts"] else {}
 
     pb = _PlanBuilder(impl, par, bucket_bytes)
     for stage, entries in enumerate(stages):
@@ -499,12 +493,12 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first: 
                     p.offset, off = off, off + p.nbytes
             pb.add_experts(stage, vpp, layer, params)
         pb.flush_dense()
-    # number every tensor in bucket order; compact IPC layout. The order per stage:
-    # - "experts" first (CUDA IPC): expert buckets cost the sender no per-tensor work (zero copy,
-    #   direct), so the engine's copies start at once while the dense buckets are converted;
-    # - "dense" first (broadcast): the leader packs a dense bucket from its own memory in well
-    #   under a millisecond, and its time on the wire hides the first expert bucket's EP gather
-    #   (a peer read of half a layer's experts), which would otherwise delay the first send.
+    # number every tensor in bucket order; compact IPC layout. The order per stage, `first`:
+    # - "experts" (both transports' choice): an expert bucket costs the sender a few large copies
+    #   (or none: IPC zero copy), so the first send / the engine's copies start at once while the
+    #   dense buckets' per-parameter conversions run on the CPU;
+    # - "dense": no EP gather before the first send, but 2-4 ms of per-tensor packing on the
+    #   CPU; measured no better on 2 x H200 (BENCHMARKS.md).
     buckets = sorted(pb.buckets, key=lambda b: (b.stage, (b.kind == "experts") == (first == "dense"), b.index))
     index = 0
     for i, b in enumerate(buckets):
@@ -525,12 +519,12 @@ def build_plan(bridge, models, bucket_bytes: int = DEFAULT_BUCKET_BYTES, first: 
         if b.kind == "experts" and b.experts.in_place and not all(t.direct for t in b.tensors):
             ipc = b.nbytes
         b.ipc_nbytes = ipc
-    plan = BucketPlan(buckets, bucket_bytes, signature(models), leaders, par["ep_members"], first=first)
+    plan = BucketPlan(buckets, bucket_bytes, leaders, par["ep_members"], first=first)
     plan.plan_id = hashlib.sha256(json.dumps(plan.wire(), sort_keys=True).encode()).hexdigest()[:16]
     return plan
 
 
-def _expert_memory_orders(models, maps, pp_rank: int, par: dict) -> dict:
+def _expert_memory_orders(models, maps, pp_rank: int) -> dict:
     """(stage, vpp, layer) -> the order of that layer's local expert tensors by address, agreed by
     every rank (collective).
 

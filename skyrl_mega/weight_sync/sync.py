@@ -44,10 +44,11 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
     for attempt in range(2):
         out = _sync_once(ex, transport, version)
         if out is not None:
-            out["weight_sync/seconds"] = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            out["weight_sync/seconds"] = seconds
             out["weight_sync/stale_retries"] = float(attempt)
-            if "weight_sync/GBps" in out:
-                out["weight_sync/GBps"] = out["weight_sync/bytes"] / out["weight_sync/seconds"] / 1e9
+            if transport is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+                out["weight_sync/GBps"] = out["weight_sync/bytes"] / seconds / 1e9
             return out
         logger.info("weight sync %s: a parameter changed shape or dtype; sending again on a new plan", version)
         ex.invalidate()
@@ -104,13 +105,11 @@ def _sync_once(ex, transport, version: int) -> dict | None:
         raise WeightSyncError(f"weight sync {version} failed: {failure!r}") from failure
     if failed:
         raise WeightSyncError(f"weight sync {version} failed on trainer rank 0")
-    seconds = time.perf_counter() - t0
-    out = {"weight_sync/seconds": seconds, "weight_sync/plan_seconds": t_plan,
+    out = {"weight_sync/plan_seconds": t_plan,
            "weight_sync/bytes": float(plan.total_bytes), "weight_sync/tensors": float(plan.num_tensors),
            "weight_sync/buckets": float(len(plan.buckets)), "weight_sync/plan_rebuilds": float(ex.rebuilds)}
     out.update({f"weight_sync/{k}": v for k, v in ex.plan_timings.items()})
     if sending:
-        out["weight_sync/GBps"] = plan.total_bytes / seconds / 1e9
         for k, v in getattr(transport, "timings", {}).items():
             out[f"weight_sync/{k}"] = v
     if report is not None:
