@@ -55,3 +55,17 @@ def test_copy_plan_matches_per_tensor_copies(descending, n1, n2, pad, mode, monk
     o1, o2 = offs[3]
     assert torch.equal(gate_up[3].view(torch.uint8), src[o1: o1 + n1 * 2])
     assert torch.equal(down[3].view(torch.uint8), src[o2: o2 + n2 * 2])
+
+
+def test_byte_runs_merge_only_back_to_back_pieces_of_one_storage():
+    """ipc_handles.byte_runs (the exporter's own rows and the peer reads): the runs copy exactly
+    the bytes a piece-by-piece copy would, merging only what is contiguous in one storage."""
+    from skyrl_mega.weight_sync.ipc_handles import byte_runs
+
+    a = torch.arange(100, dtype=torch.uint8)
+    b = torch.arange(100, 150, dtype=torch.uint8)
+    pieces = [(a, 0, 10), (a, 10, 20), (a, 40, 5), (b, 0, 7), (a, 45, 5)]  # gap, other storage
+    runs = byte_runs(pieces)
+    assert [(p, n) for _, p, n in runs] == [(0, 30), (30, 5), (35, 7), (42, 5)]
+    row = torch.cat([src for src, _, _ in runs])
+    assert torch.equal(row, torch.cat([w[o: o + n] for w, o, n in pieces]))
