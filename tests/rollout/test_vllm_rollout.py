@@ -189,16 +189,18 @@ def test_seeded_long_prompts_in_one_step_do_not_kill_the_engine(stack):
 LONG = SamplingParams(max_tokens=MAX_MODEL_LEN - 40, n=1, seed=99, ignore_eos=True)
 
 
-async def pause_mid_generation(client, ctl, prompt, sampling, mode, tries=4):
+async def pause_mid_generation(client, ctl, prompt, sampling, mode, delays=(0.3, 0.15, 0.08, 0.04, 0.3, 0.15)):
     """Starts a long generation and pauses every engine while it runs; returns its task.
 
-    On a starved 2-core box the generation may finish before the pause takes hold: then
-    resume and try again (a keep-paused request stays unfinished; an aborted one comes
-    back "abort"; for "wait" it must still be running when the pause is sent).
+    The generation may finish before the pause takes hold (a fast machine, or a starved
+    2-core box that delays the pause call): then resume and try again, pausing sooner each
+    time (a keep-paused request stays unfinished; an aborted one comes back "abort"; for
+    "wait" it must still be running when the pause is sent). A pause that came before the
+    request reached the engine leaves it waiting: resume, let it finish, try again.
     """
-    for _ in range(tries):
+    for delay in delays:
         task = asyncio.ensure_future(client.generate(prompt, sampling))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(delay)
         if task.done():
             continue
         await asyncio.to_thread(ctl.pause, mode)
@@ -208,12 +210,15 @@ async def pause_mid_generation(client, ctl, prompt, sampling, mode, tries=4):
         if mode == "keep" and not task.done():
             return task
         if mode == "abort":
-            gen = await asyncio.wait_for(task, 30)
-            if gen.samples[0].finish_reason == "abort":
+            try:
+                gen = await asyncio.wait_for(asyncio.shield(task), 30)
+            except asyncio.TimeoutError:
+                gen = None
+            if gen is not None and gen.samples[0].finish_reason == "abort":
                 return task
         await asyncio.to_thread(ctl.resume)
         await task
-    pytest.fail(f"could not pause ({mode}) a generation in flight in {tries} tries")
+    pytest.fail(f"could not pause ({mode}) a generation in flight in {len(delays)} tries")
 
 
 def test_pause_keep_inflight_finishes_correctly_after_resume(stack):
