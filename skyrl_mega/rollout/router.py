@@ -16,11 +16,13 @@ then 503 ("No available workers (all circuits open or unhealthy)") while its cir
 breaker is open. With the router's defaults it took 57 s after the worker was healthy
 again to route to it; with --cb-timeout-duration-secs 2 --health-success-threshold 1
 (the defaults here) it routes again at once. The client retries 5xx, so a restarted
-server simply picks the retried requests up.
+server simply picks the retried requests up. The router's own retries are off
+(--disable-retries): when they were on, a server that came back quickly answered the router's
+retry, and the client could not tell that its request had been cut off and run again.
 CLI flags used (checked with `vllm-router --help`): --host --port --worker-urls --policy
 --prometheus-port (default 29000 would collide between routers) --health-check-interval-secs
 --health-success-threshold --cb-timeout-duration-secs --worker-startup-timeout-secs
---request-timeout-secs --log-level.
+--request-timeout-secs --log-level --disable-retries.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class RouterProcess:
             "--worker-startup-timeout-secs", str(worker_startup_timeout_s),
             "--request-timeout-secs", str(request_timeout_s),
             "--log-level", log_level,
+            "--disable-retries",  # retries live in one place: the client (deadline, fresh request ids)
             *extra_args,
         ]
         self.child = ChildProcess("vllm-router", argv, os.path.join(log_dir, "vllm_router.log"))
