@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import faulthandler
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,6 +65,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def save_gpu_timeline(prof, out_dir: str, name: str) -> None:
+    """torch.profiler result -> <name>_gpu_timeline.json: [kernel/copy name, device, stream, start us,
+    duration us] of every GPU operation, times relative to the first one."""
+    trace = os.path.join(out_dir, f"{name}_trace_full.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        ev = json.load(f).get("traceEvents", [])
+    os.remove(trace)
+    keep = [e for e in ev if e.get("ph") == "X" and (e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                                                    or e.get("name", "").startswith(("sync_weights", "ncclDev")))]
+    t0 = min(e["ts"] for e in keep) if keep else 0
+    gpu = [[e["name"][:60], e.get("args", {}).get("device"), e.get("args", {}).get("stream"),
+            round(e["ts"] - t0, 1), round(e.get("dur", 0), 1)] for e in keep]
+    cpu = [e for e in ev if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    # the CPU side: when each CUDA call was made and how long it blocked (same clock)
+    api = [[e["name"][:40], round(e["ts"] - t0, 1), round(e.get("dur", 0), 1)] for e in ev
+           if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    with open(os.path.join(out_dir, f"{name}_gpu_timeline.json"), "w") as f:
+        json.dump({"t0_us": t0, "gpu": gpu, "api": api,
+                   "cpu_first_ts": round(min((e["ts"] for e in cpu), default=t0) - t0, 1)}, f)
 
 
 # -- receiver process ---------------------------------------------------------------------------------
@@ -116,6 +140,22 @@ def run_receiver(a) -> None:
             save_file({"logits": lg}, os.path.join(a.out, file))
             return {"file": file}
 
+        def x_profile_next(self, name: str) -> dict:
+            """Records the GPU timeline of the next update_weights (<name>_gpu_timeline.json)."""
+            self._profile_name = name
+            return {"name": name}
+
+        def update_weights(self, update_info: dict) -> dict:
+            name, self._profile_name = getattr(self, "_profile_name", None), None
+            if not name or self.device.type != "cuda":
+                return super().update_weights(update_info)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                rep = super().update_weights(update_info)
+            save_gpu_timeline(prof, a.out, name)
+            return rep
+
         def x_copy_mode(self, loop_min_bytes: int, use_graphs: bool = False, strided: bool = False) -> dict:
             from skyrl_mega.weight_sync.protocol import CopyPlan
 
@@ -133,6 +173,21 @@ def run_receiver(a) -> None:
 
 
 # -- driver ---------------------------------------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (torchrun's worker ranks), from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(x) for x in f.read().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
 def run_phase(a, phase: str, env: dict, model_dir: str, deadline: float) -> dict:
     port = free_port()
     cuda = a.device == "cuda"
@@ -153,6 +208,13 @@ def run_phase(a, phase: str, env: dict, model_dir: str, deadline: float) -> dict
     try:
         tr.wait(timeout=max(10, deadline - time.time()))
     except subprocess.TimeoutExpired:
+        # a hang: every process prints its Python stacks to its log first (faulthandler), then dies
+        for pid in [rx.pid] + _children(tr.pid):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(3)
         os.killpg(tr.pid, 9)
     try:
         rx.wait(timeout=20)
@@ -232,6 +294,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="also profile one sync (plan check + GPU timeline)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    if a.role in ("receiver", "trainer"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's "print your stacks"
     if a.role == "receiver":
         return run_receiver(a)
     if a.role == "trainer":

@@ -224,7 +224,8 @@ def run_trainer(a) -> None:
         and which bucket kind the plan sends first."""
         ex = get_exporter(bridge, models, bucket, "auto")
         if ex._peer is not None and peer_copy != "-":
-            ex._peer.copier = peer_copy
+            ex._peer.copier = peer_copy.split("-")[0]
+            ex.peer_rows_first = not peer_copy.endswith("-own-first")
         if rank == 0:
             transport.bucket_first = first
 
@@ -234,8 +235,12 @@ def run_trainer(a) -> None:
         if a.phase == "nccl":
             # (gather, sender slots, receiver copies, leader's peer copies, first bucket kind)
             # variants, each measured here
-            best = ("auto", 3, MiB, True, True, "torch", "experts")
-            variants = [best, best[:5] + ("driver", "experts"), best[:6] + ("dense",),
+            # (the library's defaults first; peer copies by the driver and dense buckets first
+            # measured no better in runs C-I and are left out)
+            # peer copies "torch-own-first": the leader's own row before the peer reads (the
+            # order before run K)
+            best = ("auto", 3, MiB, False, True, "torch", "experts")
+            variants = [best, best[:5] + ("torch-own-first", "experts"), best[:3] + (True,) + best[4:],
                         ("auto", 2) + best[2:], ("nccl",) + best[1:5] + ("-", "experts")
                         ] if world > 1 else [("auto", 2, MiB, False, False, "-", "experts")]
             runs = []
@@ -457,24 +462,26 @@ def run_trainer(a) -> None:
             return
         from torch.profiler import ProfilerActivity, profile
 
+        if rank == 0:
+            client.call("x_profile_next", {"name": f"{a.phase}_rx"})  # the receiver's side of the same sync
         barrier()
         sync_all()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             timed_sync(150)
         if rank == 0:
-            path = os.path.join(a.out, f"{a.phase}_trace_full.json")
-            prof.export_chrome_trace(path)
-            ev = json.load(open(path)).get("traceEvents", [])
-            keep = [e for e in ev if e.get("ph") == "X" and (e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                                                            or e.get("name", "").startswith(("sync_weights", "ncclDev")))]
-            t0 = min(e["ts"] for e in keep) if keep else 0
-            gpu = [[e["name"][:60], e.get("args", {}).get("device"), e.get("args", {}).get("stream"),
-                    round(e["ts"] - t0, 1), round(e.get("dur", 0), 1)] for e in keep]
-            cpu_sync = [e for e in ev if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-            with open(os.path.join(a.out, f"{a.phase}_gpu_timeline.json"), "w") as f:
-                json.dump({"t0_us": t0, "gpu": gpu,
-                           "cpu_first_ts": round(min((e["ts"] for e in cpu_sync), default=t0) - t0, 1)}, f)
-            os.remove(path)
+            from weight_sync_bench import save_gpu_timeline
+
+            save_gpu_timeline(prof, a.out, a.phase)
+        if a.phase == "nccl" and world > 1:  # the sender's slot count, one timeline each
+            for n in (2, 4):
+                set_slots(n)
+                timed_sync(160 + n)  # first use of the new slots
+                barrier()
+                sync_all()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    timed_sync(170 + n)
+                if rank == 0:
+                    save_gpu_timeline(prof, a.out, f"{a.phase}_slots{n}")
 
     def s_trainer_logits():
         ref = logits()

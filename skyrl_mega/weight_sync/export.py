@@ -116,6 +116,10 @@ def _gather_rows(send: torch.Tensor, rows: list[torch.Tensor] | None, root: int,
 class BucketExporter:
     """Iterates the plan's buckets; on rank 0 yields (bucket, packed buffer, direct tensors)."""
 
+    # intra-node gather: the leader packs the other ranks' rows (copy engines) before its own
+    # (every SM); see _experts. False only to measure the other order (bench/weight_sync_bench.py)
+    peer_rows_first = True
+
     def __init__(self, bridge, models, bucket_bytes: int, gather: str = "auto"):
         if gather not in ("auto", "nccl", "ipc"):
             raise ValueError(f"gather must be 'auto', 'nccl' or 'ipc', got {gather!r}")
@@ -404,11 +408,17 @@ class BucketExporter:
                 rows = [dest[HEADER_BYTES + m * g.local_bytes: HEADER_BYTES + (m + 1) * g.local_bytes]
                         for m in range(members)]
                 mine = rows[ranks.index(leader)]
-                # copies, no kernel: a concatenation kernel takes every SM and delayed the next
-                # NCCL broadcast kernel by its whole run (measured on H200)
+                # peer reads first: they run on copy engines, so when this bucket's buffer is
+                # released by the end of a broadcast, the next broadcast kernel (already queued)
+                # gets the SMs at once. The own row is a same-GPU copy that takes every SM: run
+                # first, it held that broadcast back by its whole run, ~190 us per bucket on
+                # H200 (BENCHMARKS.md, run J). Same for a concatenation kernel (run D).
+                if self.peer_rows_first:
+                    self._peer.copy_rows(b.index, rows)
                 for src, pos, n in self._row_runs(b.index, local):
                     mine[pos: pos + n].copy_(src)
-                self._peer.copy_rows(b.index, rows)
+                if not self.peer_rows_first:
+                    self._peer.copy_rows(b.index, rows)
             return
         if g.in_place:
             runs = self._row_runs(b.index, local)

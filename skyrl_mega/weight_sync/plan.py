@@ -171,7 +171,8 @@ class BucketPlan:
     def summary(self) -> dict:
         return {"plan_id": self.plan_id, "buckets": len(self.buckets), "tensors": self.num_tensors,
                 "bytes": self.total_bytes, "max_bucket_bytes": self.max_bucket_nbytes,
-                "expert_buckets": sum(b.kind == "experts" for b in self.buckets)}
+                "expert_buckets": sum(b.kind == "experts" for b in self.buckets),
+                "bucket_bytes": [b.nbytes for b in self.buckets]}
 
 
 def wire_slots(wire_bucket: dict, first_index: int = 0) -> list[TensorSlot]:
