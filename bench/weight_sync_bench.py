@@ -140,20 +140,27 @@ def run_receiver(a) -> None:
             save_file({"logits": lg}, os.path.join(a.out, file))
             return {"file": file}
 
+        _profile_name = None
+        _prof = None
+
         def x_profile_next(self, name: str) -> dict:
-            """Records the GPU timeline of the next update_weights (<name>_gpu_timeline.json)."""
-            self._profile_name = name
+            """Starts recording now (the profiler's start-up must not delay the sync); the GPU
+            timeline and CUDA calls up to the next finish_weight_update go to
+            <name>_gpu_timeline.json."""
+            if self.device.type == "cuda":
+                from torch.profiler import ProfilerActivity, profile
+
+                self._profile_name = name
+                self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self._prof.__enter__()
             return {"name": name}
 
-        def update_weights(self, update_info: dict) -> dict:
-            name, self._profile_name = getattr(self, "_profile_name", None), None
-            if not name or self.device.type != "cuda":
-                return super().update_weights(update_info)
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                rep = super().update_weights(update_info)
-            save_gpu_timeline(prof, a.out, name)
+        def finish_weight_update(self, weight_version=None) -> dict:
+            rep = super().finish_weight_update(weight_version)
+            if self._prof is not None:
+                self._prof.__exit__(None, None, None)
+                save_gpu_timeline(self._prof, a.out, self._profile_name)
+                self._prof = self._profile_name = None
             return rep
 
         def x_copy_mode(self, loop_min_bytes: int, use_graphs: bool = False, strided: bool = False) -> dict:
@@ -250,7 +257,7 @@ def summarize(r: dict) -> str:
     if i.get("e2e") and i.get("d2d_copy"):
         lines.append(f"CUDA IPC end-to-end / D2D copy: {i['e2e']['best_GBps'] / i['d2d_copy']['GBps']:.1%} "
                      f"(median {i['e2e']['median_GBps'] / i['d2d_copy']['GBps']:.1%})")
-    for d in n.get("nccl_sweep", []):
+    for d in n.get("nccl_sweep", []) + ([n["e2e_gil_default"]] if n.get("e2e_gil_default") else []):
         lines.append(f"NCCL {d['label']}: best {d['best_GBps']:.1f} GB/s, median {d['median_GBps']:.1f}")
     if n.get("export_only"):
         lines.append(f"NCCL phase, export alone (plan check + gather + pack, no transfer): best "
@@ -259,7 +266,7 @@ def summarize(r: dict) -> str:
         lines.append(f"NCCL protocol without the export (pre-packed buckets): best {n['wire_only']['best_GBps']:.1f} GB/s")
     if n.get("auto_gather"):
         lines.append(f"gather=auto used: {n['auto_gather']}")
-    for d in i.get("ipc_sweep", []):
+    for d in i.get("ipc_sweep", []) + ([i["e2e_gil_default"]] if i.get("e2e_gil_default") else []):
         lines.append(f"IPC {d['label']}: best {d['best_GBps']:.1f} GB/s, median {d['median_GBps']:.1f}")
     for ph, d in (("nccl", n), ("ipc", i)):
         if d.get("verify"):

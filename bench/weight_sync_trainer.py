@@ -260,6 +260,7 @@ def run_trainer(a) -> None:
             set_slots(slots)
             copy_mode(lm, gr, sd)
             set_copier(cp, first)
+            gil_variant()
             return
         # co-located: IPC round size x the engine's copy mode, each measured here
         runs = []
@@ -277,6 +278,18 @@ def run_trainer(a) -> None:
         if rank == 0:  # keep the best setting for the rest of the run
             transport.round_bytes = round_mb << 20
         copy_mode(loop_min, graphs, strided)
+        gil_variant()
+
+    def gil_variant():
+        """The best variant again with Python's own GIL switch interval (5 ms) during the sync
+        instead of sync.GIL_SWITCH_S."""
+        from skyrl_mega.weight_sync import sync as sync_mod
+
+        kept, sync_mod.GIL_SWITCH_S = sync_mod.GIL_SWITCH_S, None
+        try:
+            res["e2e_gil_default"] = measure(res["e2e"]["label"] + ", GIL switch interval 5 ms (Python's default)")
+        finally:
+            sync_mod.GIL_SWITCH_S = kept
 
     def s_export_only():
         """The export without the transport: plan check + gather + pack into two rotating buffers."""

@@ -18,7 +18,9 @@ rebuilt plan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 
 import torch.distributed as dist
@@ -29,6 +31,24 @@ from .export import bucket_tensors, get_exporter
 from .plan import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
+
+# Python's GIL switch interval while a sync runs (seconds; None: leave the interpreter's, 5 ms).
+# The transports talk to the engines from background threads (rounds, update_weights) while
+# the main thread walks the buckets, which holds the GIL almost all the time: at 5 ms, a round
+# ready to post waited ~4 ms for the GIL before the engine heard of it (co-located IPC sync on
+# H200, BENCHMARKS.md run K).
+GIL_SWITCH_S: float | None = 2e-4
+
+
+@contextlib.contextmanager
+def _gil_handoff():
+    old = sys.getswitchinterval()
+    if GIL_SWITCH_S is not None:
+        sys.setswitchinterval(min(old, GIL_SWITCH_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -42,7 +62,8 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
     t0 = time.perf_counter()
     ex = get_exporter(bridge, models, bucket_bytes, gather)
     for attempt in range(2):
-        out = _sync_once(ex, transport, version)
+        with _gil_handoff():
+            out = _sync_once(ex, transport, version)
         if out is not None:
             seconds = time.perf_counter() - t0
             out["weight_sync/seconds"] = seconds
