@@ -8,7 +8,7 @@ one device-to-device copy per byte. Tensors that need a gather or a conversion (
 other EP ranks' experts, the q/k/v split) are packed by the exporter into ONE staging buffer
 of about one bucket (`staging_bytes`, default the plan's bucket size or its largest bucket),
 so peak extra memory stays near one bucket whatever the model size. Buckets accumulate into
-a "round" until it holds `round_bytes` (default 2 GiB; None: no limit), the expert buckets end (the dense
+a "round" until it holds `round_bytes` (default: no limit), the expert buckets end (the dense
 ones after them cost the CPU conversions, which then overlap the engine's copies) or the
 next bucket does not fit the staging buffer; then the round goes out: one update_weights call whose JSON names every
 tensor as (handle index, byte offset, dtype, shape) plus the IPC handles (torch's CUDA IPC
@@ -41,17 +41,12 @@ from .plan import ALIGN, BucketPlan, BucketSpec
 
 logger = logging.getLogger(__name__)
 
-# rounds of about 2 GiB: the engine starts copying after the first few expert buckets instead of
-# after all of them. On 2 x H200 (run K, BENCHMARKS.md) 2 GiB rounds beat one unlimited round
-# (best / median 1167 / 1127 vs 1041 / 1028 GB/s) once rounds were posted without GIL delays
-DEFAULT_ROUND_BYTES = 2 << 30
-
 
 class CudaIpcTransport(BucketTransport):
     """Co-located engines: IPC handles to parameter storage + one staging buffer (see module doc)."""
 
     def __init__(self, control=None, receivers=(), *, zero_copy: bool | None = None,
-                 staging_bytes: int | None = None, round_bytes: int | None = DEFAULT_ROUND_BYTES, **kw):
+                 staging_bytes: int | None = None, round_bytes: int | None = None, **kw):
         super().__init__(control, receivers, **kw)
         self.round_bytes = int(round_bytes) if round_bytes else 1 << 62  # None: no size limit
         self._exe = ThreadPoolExecutor(max_workers=1)  # posts rounds in order
