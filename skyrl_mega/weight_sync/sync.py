@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 # Python's GIL switch interval while a sync runs (seconds; None: leave the interpreter's, 5 ms).
 # The transports talk to the engines from background threads (rounds, update_weights) while
-# the main thread walks the buckets, which holds the GIL almost all the time: at 5 ms, a round
-# ready to post waited ~4 ms for the GIL before the engine heard of it (co-located IPC sync on
-# H200, BENCHMARKS.md run K).
+# the main thread walks the buckets, which holds the GIL almost all the time: at 5 ms, the first
+# round of a co-located IPC sync reached the engine 4.3 ms after it was posted (H200 timelines,
+# BENCHMARKS.md "IPC profiling").
 GIL_SWITCH_S: float | None = 2e-4
 
 
