@@ -163,6 +163,23 @@ def test_sync_dying_half_way_keeps_the_old_version(layouts_run):
     assert rep["version"] == 1 and rep["consistent"] is False and "aborted" in rep["last_error"]
 
 
+def test_colocated_protocol_commits_aborts_and_resends_a_stale_plan(layouts_run):
+    """The CUDA IPC protocol (rounds; on CPU its staging buffer is a /dev/shm file) at TP2 PP2
+    EP2: a verified sync commits what the sender checksummed; a sync dying half-way keeps the
+    old version; a shape change found after the last bucket (whose round is already posted)
+    aborts before the commit and is resent on a new plan, which then commits."""
+    _, r = layouts_run
+    assert r["ipc_sync11"]["weight_sync/rounds"] > 1
+    rep = r["ipc_report_v11"]
+    assert rep["version"] == 11 and rep["consistent"] and rep["checksum"] == r["ipc_digest_v11"]
+    assert r["ipc_abort_error"] and "injected failure" in r["ipc_abort_error"]
+    assert r["ipc_report_after_abort"]["version"] == 11
+    assert r["ipc_sync13"]["weight_sync/stale_retries"] == 1
+    rep = r["ipc_report_v13"]
+    assert rep["version"] == 13 and rep["consistent"] and rep["checksum"] == r["ipc_digest_v13"]
+    assert r["ipc_digest_v13"] == r["ipc_digest_v11"]  # the same weights as version 11
+
+
 # -- a real vLLM CPU server ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm_run(tiny_qwen3_moe, trainer_ckpt, tmp_path_factory):

@@ -13,11 +13,13 @@ ones after them cost the CPU conversions, which then overlap the engine's copies
 next bucket does not fit the staging buffer; then the round goes out: one update_weights call whose JSON names every
 tensor as (handle index, byte offset, dtype, shape) plus the IPC handles (torch's CUDA IPC
 reduction) and a CUDA IPC event recorded after the sender's work for the round: the engine's
-stream waits on it, so neither side blocks its CPU on the other's GPU work. Rounds are posted from a background thread, in order, so the engine copies round
-k while the trainer walks the buckets of round k+1. A round that used the staging buffer is
-answered only after the engine's copies finished (device synchronised; "sync": true), and
-the staging buffer is refilled only after every such answer came back. The last round is
-always synchronous. finish_weight_update(version) commits.
+stream waits on it, so neither side blocks its CPU on the other's GPU work. Rounds are posted
+from a background thread, in order, so the engine copies round k while the trainer walks the
+buckets of round k+1. A round that used the staging buffer is answered only after the
+engine's copies finished (device synchronised; "sync": true), and the staging buffer is
+refilled only after every such answer came back. The last round is posted with the last
+bucket and is always answered after the copies; finish() waits for every answer, then
+finish_weight_update(version) commits.
 On CPU (tests and dry runs) the staging buffer is a /dev/shm file and nothing is direct.
 Verification: the sender's checksums ride in each round; the receiver compares them with
 checksums of what landed in its weights and fails the update on any mismatch.
@@ -182,9 +184,13 @@ class CudaIpcTransport(BucketTransport):
         self._acc += b.nbytes
         self._check_inflight()
         nxt = self._plan.buckets[self._next] if self._next < len(self._plan.buckets) else None
+        if nxt is None:
+            # the last round goes out now, while the exporter checks the plan once more after
+            # its last bucket; finish() waits for it (and commits only if that check passed)
+            self._flush(last=True)
         # a round also ends where the expert buckets end: the engine copies them while the
         # dense buckets (per-parameter conversions on the CPU) are walked
-        if nxt is not None and (self._acc >= self.round_bytes or (b.kind == "experts" and nxt.kind != "experts")):
+        elif self._acc >= self.round_bytes or (b.kind == "experts" and nxt.kind != "experts"):
             self._flush(last=False)
 
     def _check_inflight(self) -> None:
@@ -246,11 +252,8 @@ class CudaIpcTransport(BucketTransport):
         self.timings.setdefault("first_round_at_s", t0 - self._t_start)
         info["sync"] = last or self.verify or self._uses_staging()
         try:
-            if last:
-                self._drain()
-                self._fanout(lambda c: c.update(info))
-            else:
-                self._inflight.append(self._exe.submit(self._fanout, lambda c: c.update(info)))
+            # in order on one thread; the last round is answered after the engine's copies
+            self._inflight.append(self._exe.submit(self._fanout, lambda c: c.update(info)))
         except BaseException:
             self._layouts = {}  # a receiver may not hold the layout: send it in full next time
             raise
@@ -274,7 +277,9 @@ class CudaIpcTransport(BucketTransport):
     def finish(self) -> dict[str, Any]:
         if self._next != len(self._plan.buckets):
             raise WeightSyncError(f"update {self._version}: {self._next}/{len(self._plan.buckets)} buckets sent")
-        self._flush(last=True)
+        if self._round_items or not self._plan.buckets:  # not posted by send_bucket
+            self._flush(last=True)
+        self._drain()
         self.timings["transfer_s"] = time.perf_counter() - self._t_start
         report = self._commit(self._version)
         self.last_digest = (digest(torch.tensor([self._sent_sums[k] for k in sorted(self._sent_sums)],

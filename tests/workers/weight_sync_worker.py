@@ -3,7 +3,9 @@
 Run: torchrun --nproc-per-node N tests/workers/weight_sync_worker.py OUT_DIR MODE [key=value ...] -- overrides
 MODE "receiver": the trainer syncs to a standalone transformers receiver (gloo) that rank 0
     starts; writes export.safetensors (bucketed export), mbridge.safetensors (mbridge's
-    per-tensor export), plan.json, the receiver's logits per version, results.json.
+    per-tensor export), plan.json, the receiver's logits per version, results.json. Then the
+    same failure cases through the co-located CUDA IPC protocol (over /dev/shm on CPU) to a
+    second receiver.
 MODE "vllm": the trainer syncs to the vLLM server(s) given by urls=... and a standalone
     receiver in the same transfer group; writes trainer and receiver logits, results.json.
 """
@@ -22,7 +24,8 @@ from skyrl_mega.config import load_config, validate_config
 from skyrl_mega.megatron import forward, parallel
 from skyrl_mega.megatron.model import build_bridge, build_model
 from skyrl_mega.rollout.errors import WeightSyncError
-from skyrl_mega.weight_sync import ChannelClient, NcclBroadcastTransport, export_hf_state_dict, get_exporter, sync_weights
+from skyrl_mega.weight_sync import (ChannelClient, CudaIpcTransport, NcclBroadcastTransport, export_hf_state_dict,
+                                   get_exporter, sync_weights)
 
 BUCKET = 96 << 10  # small buckets: the tiny model spans many of them
 
@@ -167,6 +170,44 @@ def main():
         finally:
             if rank == 0:
                 stop(transport, rx_proc)
+        # 7) the co-located protocol (CudaIpcTransport: rounds, a staging buffer in /dev/shm on
+        #    CPU) through the same cases: verified sync, a sync dying half-way, a stale plan
+        #    found after the last bucket (its last round already posted), then a clean sync
+        ipc, rx_proc, client = None, None, None
+        if rank == 0:
+            from skyrl_mega.weight_sync.base import free_port
+
+            port = free_port()
+            rx_proc = start_receiver(port, kv["receiver_model"], out_dir)
+            client = ChannelClient(1, timeout_s=120)
+            ipc = CudaIpcTransport(receivers=[client], master_port=port, verify=True, timeout_s=120,
+                                   round_bytes=4 * BUCKET)  # several rounds
+        try:
+            m = sync_weights(bridge, models, ipc, version=11, bucket_bytes=BUCKET)
+            if rank == 0:
+                results["ipc_sync11"] = m
+                results["ipc_report_v11"] = client.call("report")[0]
+                results["ipc_digest_v11"] = ipc.last_digest
+                ipc.fail_at_bucket = len(ipc._plan.buckets) - 2
+            expect_failure(lambda: sync_weights(bridge, models, ipc, version=12, bucket_bytes=BUCKET),
+                           results, "ipc_abort_error")
+            if rank == 0:
+                ipc.fail_at_bucket = None
+                results["ipc_report_after_abort"] = client.call("report")[0]
+            if mpu.get_pipeline_model_parallel_rank() == 1:  # step 6's router back to its shape
+                for m_ in models:
+                    for name, p in m_.named_parameters():
+                        if name.endswith("mlp.router.weight"):
+                            p.data = p.data.view(p.shape[1], p.shape[0])
+                            break
+            m = sync_weights(bridge, models, ipc, version=13, bucket_bytes=BUCKET)
+            if rank == 0:
+                results["ipc_sync13"] = m
+                results["ipc_report_v13"] = client.call("report")[0]
+                results["ipc_digest_v13"] = ipc.last_digest
+        finally:
+            if rank == 0:
+                stop(ipc, rx_proc)
     elif mode == "vllm":
         from skyrl_mega.rollout.control import EngineControl
 
