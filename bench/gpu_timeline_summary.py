@@ -41,7 +41,7 @@ def summarize(ops: list[list], label: str, bucket_bytes: list[int] | None = None
         for o in others:
             ov = overlap(t, t + d, o[3], o[3] + o[4])
             if ov > 0:
-                kind = "copy " + o[0].split("(")[0].replace("Memcpy ", "") if o[0].startswith("Memcpy") else "kernel"
+                kind = "copy " + o[0].split("(")[0].replace("Memcpy ", "").strip() if o[0].startswith("Memcpy") else "kernel"
                 busy[kind] = busy.get(kind, 0.0) + ov
         rate = ""
         if bucket_bytes and i < len(bucket_bytes) and d > 0:
