@@ -71,6 +71,20 @@ def stop(transport, rx_proc):
         rx_proc.kill()
 
 
+def transpose_first_router_on_stage_1(models):
+    """The first MoE router of pipeline stage 1 takes the transposed shape (same bytes): a
+    change that rank 0 (stage 0) cannot see locally."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_rank() != 1:
+        return
+    for m in models:  # (each model chunk's first)
+        for name, p in m.named_parameters():
+            if name.endswith("mlp.router.weight"):
+                p.data = p.data.view(p.shape[1], p.shape[0])
+                break
+
+
 def expect_failure(fn, results, key):
     try:
         fn()
@@ -152,14 +166,7 @@ def main():
                 results["sender_digest_v4"] = transport.last_digest
             # 6) a parameter changes shape (same bytes) on the second pipeline stage only: the
             #    export notices, the sync aborts before its commit and runs again on a new plan
-            from megatron.core import parallel_state as mpu
-
-            if mpu.get_pipeline_model_parallel_rank() == 1:
-                for m_ in models:
-                    for name, p in m_.named_parameters():
-                        if name.endswith("mlp.router.weight"):
-                            p.data = p.data.view(p.shape[1], p.shape[0])
-                            break
+            transpose_first_router_on_stage_1(models)
             m = sync_weights(bridge, models, transport, version=5, bucket_bytes=BUCKET)
             results["sync5"] = m
             if rank == 0:
@@ -194,12 +201,7 @@ def main():
             if rank == 0:
                 ipc.fail_at_bucket = None
                 results["ipc_report_after_abort"] = client.call("report")[0]
-            if mpu.get_pipeline_model_parallel_rank() == 1:  # step 6's router back to its shape
-                for m_ in models:
-                    for name, p in m_.named_parameters():
-                        if name.endswith("mlp.router.weight"):
-                            p.data = p.data.view(p.shape[1], p.shape[0])
-                            break
+            transpose_first_router_on_stage_1(models)  # step 6's router back to its shape
             m = sync_weights(bridge, models, ipc, version=13, bucket_bytes=BUCKET)
             if rank == 0:
                 results["ipc_sync13"] = m
