@@ -55,11 +55,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class SlotPool:
-    """`n` reusable uint8 buffers; a buffer is handed out again only after the work fenced on it ended."""
+    """`n` reusable uint8 buffers; a buffer is handed out again only after the work fenced on it ended.
+    `wait(work)`: how to wait for a fenced work (default: work.wait())."""
 
-    def __init__(self, device, n: int = 2):
+    def __init__(self, device, n: int = 2, wait=None):
         self.device = torch.device(device)
         self.n = n
+        self._wait = wait or (lambda w: w.wait())
         self.bufs: list[torch.Tensor | None] = [None] * n
         self.pending: list[list] = [[] for _ in range(n)]
         self.next = 0
@@ -69,7 +71,7 @@ class SlotPool:
         i = self.next
         self.next = (i + 1) % self.n
         for w in self.pending[i]:
-            w.wait()
+            self._wait(w)
         self.pending[i] = []
         if self.bufs[i] is None or self.bufs[i].numel() < nbytes:
             self.bufs[i] = None
@@ -82,10 +84,14 @@ class SlotPool:
         if work is not None and self.last >= 0:
             self.pending[self.last].append(work)
 
+    def busy(self) -> bool:
+        """Is a fenced work still pending (not waited for, not completed)?"""
+        return any(not w.is_completed() for ws in self.pending for w in ws)
+
     def drain(self) -> None:
         for i in range(self.n):
             for w in self.pending[i]:
-                w.wait()
+                self._wait(w)
             self.pending[i] = []
 
     def release(self) -> None:

@@ -60,6 +60,7 @@ class NcclBroadcastTransport(BucketTransport):
         self.last_digest: str | None = None
         self._sent_plan: str | None = None  # plan_id the receivers hold (sent once, reused)
         self._generation = 0  # bumped by reset(): every re-formed transfer group gets a new name
+        self._retired: list = []  # (communicator, slot pool) of dropped groups with pending operations
 
     @property
     def world_size(self) -> int:
@@ -69,6 +70,7 @@ class NcclBroadcastTransport(BucketTransport):
         """Rendezvous with every receiver (once; blocking until all joined)."""
         if self.comm is not None:
             return
+        self._close_retired()
         t0 = time.perf_counter()
         store = self._open_store()
         world = self.world_size
@@ -93,7 +95,7 @@ class NcclBroadcastTransport(BucketTransport):
             if errs:
                 self.comm = None
                 raise WeightSyncError(f"transfer group init failed: {errs}")
-        self.pool = SlotPool(self.device, n=self.num_slots)
+        self.pool = SlotPool(self.device, n=self.num_slots, wait=self._wait)
         self._sent_plan = None
         self.timings["init_s"] = time.perf_counter() - t0
 
@@ -138,6 +140,24 @@ class NcclBroadcastTransport(BucketTransport):
             if f.done() and f.exception() is not None:
                 raise WeightSyncError(f"a receiver failed during update {self._version}: {f.exception()}")
 
+    def _wait(self, work) -> None:
+        """Waits for an operation of the transfer group. NCCL: at once (the stream waits, not the
+        CPU). gloo (CPU): polls, so that a receiver whose update failed is noticed: a server
+        killed mid-sync can leave a worker process that holds its end of the group but never
+        receives again, and a blocking wait on it would never return. Raises WeightSyncError
+        when a receiver failed or after timeout_s."""
+        if self.comm_backend != "gloo":
+            work.wait()
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            self._check_receivers()
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"update {self._version}: the transfer group did not complete an "
+                                      f"operation within {self.timeout_s:.0f} s")
+            time.sleep(0.0005)
+        work.wait()  # raises the operation's own error
+
     def send_bucket(self, b: BucketSpec, buf: torch.Tensor, direct=()) -> None:
         if direct:
             raise WeightSyncError("the broadcast transport packs every tensor (layout 'full')")
@@ -168,9 +188,9 @@ class NcclBroadcastTransport(BucketTransport):
         trailer[0], trailer[1] = END, self._vid
         if self._cs is not None:
             trailer[2:] = self._cs.view(-1)
-        self.comm.broadcast(trailer, 0).wait()
+        self._wait(self.comm.broadcast(trailer, 0))
         status = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        self.comm.all_reduce_sum(status)
+        self.comm.all_reduce_sum(status, wait=self._wait)
         self._data_done = True
         st = status.cpu().tolist()
         errs = []
@@ -196,7 +216,10 @@ class NcclBroadcastTransport(BucketTransport):
         return report
 
     def abort(self) -> None:
-        """Sends the abort bucket (+ filler) if receivers are mid-sync; they keep their old version."""
+        """Sends the abort bucket (+ filler) if receivers are mid-sync; they keep their old version.
+        If a receiver failed, the transfer group is dropped as well: the next sync forms a new
+        one (an operation still pending on the old group may never complete)."""
+        failed = any(f.done() and f.exception() is not None for f in self._futs)
         if self._futs and not self._data_done and self.comm is not None:
             n = len(self._plan.buckets)
             try:
@@ -208,30 +231,49 @@ class NcclBroadcastTransport(BucketTransport):
                         self.pool.fence(self.comm.broadcast(buf, 0))
                 if self._next >= n:  # every bucket went out: an all-zero trailer says "aborted"
                     trailer = torch.zeros(2 + 2 * self._plan.num_tensors, dtype=torch.int64, device=self.device)
-                    self.comm.broadcast(trailer, 0).wait()
+                    self._wait(self.comm.broadcast(trailer, 0))
                 self.pool.drain()
             except Exception:
                 logger.exception("could not signal the abort to the receivers")
+                failed = True
             for f in self._futs:
                 try:
                     f.result(timeout=self.timeout_s)
                 except Exception as e:
-                    logger.info("receiver after abort: %s", e)
+                    logger.info("receiver after abort: %s", e)  # expected: they raise WeightSyncAborted
         self._futs = []
         self._data_done = True
         self._sent_plan = None
+        if failed and self.comm is not None:
+            self.reset()
         self._leave_paused()
 
     def reset(self) -> None:
         """Forget the transfer group (an engine was restarted): the next sync forms a new one,
         which the restarted engines join and the surviving ones re-join."""
         if self.comm is not None:
-            self.comm.close()
+            if self.pool is not None and self.pool.busy():
+                # an operation still waits for a peer that stopped receiving (a worker left behind
+                # by a killed server): destroying the group would block until that peer exits or
+                # the group times out, so it is retired and closed once its operations ended
+                self._retired.append((self.comm, self.pool))
+            else:
+                self.comm.close()
             self.comm = None
+        self.pool = None
         self._futs, self._sent_plan = [], None
         self._generation += 1
         if self.http is not None:
             self.http._sizes = None
+
+    def _close_retired(self) -> None:
+        keep = []
+        for comm, pool in self._retired:
+            if pool.busy():
+                keep.append((comm, pool))
+            else:
+                comm.close()
+        self._retired = keep
 
     def close(self) -> None:
         super().close()

@@ -108,10 +108,12 @@ class Communicator:
         opts.rootRank = src
         return self.pg.broadcast([t], opts)
 
-    def all_reduce_sum(self, t: torch.Tensor) -> None:
+    def all_reduce_sum(self, t: torch.Tensor, wait=None) -> None:
+        """`wait(work)`: how to wait for it (default: work.wait())."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self.pg.allreduce([t], opts).wait()
+        work = self.pg.allreduce([t], opts)
+        (wait or (lambda w: w.wait()))(work)
 
     def close(self) -> None:
         try:
