@@ -67,6 +67,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1", exclude=()) -> list[int]:
+    """`n` distinct TCP ports, none in `exclude`, that were free a moment ago. The sockets are
+    held open together while the OS picks them: two separate free_port() calls can return the
+    same port (seen: a router given one port for HTTP and Prometheus failed to start)."""
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+            p = s.getsockname()[1]
+            if p not in exclude:
+                ports.append(p)
+        return ports
+    finally:
+        for s in socks:
+            s.close()
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could listen on `port` now (with SO_REUSEADDR, as uvicorn binds:
     connections of a dead server in TIME_WAIT do not block it)."""

@@ -32,7 +32,7 @@ import shutil
 import sys
 from typing import Sequence
 
-from .procs import ChildProcess, free_port, wait_healthy
+from .procs import ChildProcess, free_ports, wait_healthy
 
 
 def router_executable() -> list[str]:
@@ -69,7 +69,10 @@ class RouterProcess:
             raise ValueError("RouterProcess needs at least one worker URL")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.host = host
-        self.port = port or free_port(host)
+        if port:
+            self.port, metrics_port = port, free_ports(1, host, exclude=(port,))[0]
+        else:
+            self.port, metrics_port = free_ports(2, host)
         self.url = f"http://{host}:{self.port}"
         self.startup_timeout_s = startup_timeout_s
         argv = router_executable() + [
@@ -77,7 +80,7 @@ class RouterProcess:
             "--port", str(self.port),
             "--worker-urls", *self.worker_urls,
             "--policy", policy,
-            "--prometheus-port", str(free_port(host)),
+            "--prometheus-port", str(metrics_port),
             "--health-check-interval-secs", str(health_check_interval_s),
             "--health-success-threshold", str(health_success_threshold),
             "--cb-timeout-duration-secs", str(circuit_breaker_timeout_s),

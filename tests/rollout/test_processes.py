@@ -16,7 +16,7 @@ import time
 import pytest
 
 from skyrl_mega.rollout.errors import ServerStartError
-from skyrl_mega.rollout.procs import ChildProcess, free_port, group_alive, http_status
+from skyrl_mega.rollout.procs import ChildProcess, free_port, free_ports, group_alive, http_status
 from skyrl_mega.rollout.router import RouterProcess
 from skyrl_mega.rollout.servers import ServerConfig, ServerManager, core_slices
 
@@ -52,6 +52,24 @@ def grandchild_pid(log_path, timeout=10):
             return int(lines[-1].split()[1])
         time.sleep(0.05)
     raise AssertionError("fake engine did not report its grandchild")
+
+
+def test_free_ports_are_distinct_and_skip_excluded():
+    for _ in range(200):
+        a, b, c = free_ports(3)
+        assert len({a, b, c}) == 3
+        (d,) = free_ports(1, exclude=(a,))
+        assert d != a
+
+
+def test_router_gets_distinct_http_and_metrics_ports(tmp_path):
+    """Two separate free_port() calls gave a router one port for both, and it could not start."""
+    for _ in range(50):
+        r = RouterProcess(["http://127.0.0.1:1"], log_dir=str(tmp_path))
+        metrics = int(r.child.argv[r.child.argv.index("--prometheus-port") + 1])
+        assert metrics != r.port
+    r = RouterProcess(["http://127.0.0.1:1"], log_dir=str(tmp_path), port=free_port())
+    assert int(r.child.argv[r.child.argv.index("--prometheus-port") + 1]) != r.port
 
 
 def test_core_slices():
