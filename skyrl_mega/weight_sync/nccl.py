@@ -190,7 +190,7 @@ class NcclBroadcastTransport(BucketTransport):
             trailer[2:] = self._cs.view(-1)
         self._wait(self.comm.broadcast(trailer, 0))
         status = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        self.comm.all_reduce_sum(status, wait=self._wait)
+        self._wait(self.comm.all_reduce_sum(status))
         self._data_done = True
         st = status.cpu().tolist()
         errs = []

@@ -108,12 +108,11 @@ class Communicator:
         opts.rootRank = src
         return self.pg.broadcast([t], opts)
 
-    def all_reduce_sum(self, t: torch.Tensor, wait=None) -> None:
-        """`wait(work)`: how to wait for it (default: work.wait())."""
+    def all_reduce_sum(self, t: torch.Tensor):
+        """In place; returns the work, like broadcast (the caller waits)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        work = self.pg.allreduce([t], opts)
-        (wait or (lambda w: w.wait()))(work)
+        return self.pg.allreduce([t], opts)
 
     def close(self) -> None:
         try:
@@ -388,7 +387,7 @@ def receive_sync(comm: Communicator, update_info: dict, sink: ReceiveSink, plans
         bad = [parsed.names[i] for i in diff]
     status = torch.zeros(comm.world_size, dtype=torch.int64, device=dev)
     status[comm.rank] = LOAD_FAILED if error is not None else (MISMATCH if bad else OK)
-    comm.all_reduce_sum(status)
+    comm.all_reduce_sum(status).wait()
     if error is not None:
         raise WeightSyncError(f"update {version}: loading failed on receiver rank {comm.rank}: {error!r}") from error
     if bad:
