@@ -59,14 +59,6 @@ SIZES = {
 }
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def save_gpu_timeline(prof, out_dir: str, name: str) -> None:
     """torch.profiler result -> <name>_gpu_timeline.json: [kernel/copy name, device, stream, start us,
     duration us] of every GPU operation, times relative to the first one."""

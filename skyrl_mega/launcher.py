@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from typing import Sequence
 
+from .ports import free_port
+
 
 class LaunchError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:

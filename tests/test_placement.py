@@ -1,11 +1,11 @@
-"""Placement -> weight transport and engine flags (skyrl_mega/placement.py)."""
+"""Placement -> weight transport and engine flags (skyrl_mega/controller/placement.py)."""
 
 import json
 from types import SimpleNamespace
 
 import pytest
 
-from skyrl_mega.placement import plan_placement
+from skyrl_mega.controller.placement import plan_placement
 
 
 def _rollout(transport="auto", sleep_level=1):

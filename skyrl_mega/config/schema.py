@@ -79,7 +79,7 @@ class AlgorithmConfig:
 
 @dataclass
 class RolloutConfig:
-    """vLLM engines (skyrl_mega/engines.py) and sampling."""
+    """vLLM engines (skyrl_mega/controller/engines.py) and sampling."""
 
     num_servers: int = 1
     external_urls: List[str] = field(default_factory=list)  # disaggregated: servers started elsewhere

@@ -13,6 +13,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..devices import current_device
+
 
 def run_microbatches(
     models,
@@ -50,7 +52,7 @@ def run_microbatches(
 
 
 def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return current_device()
 
 
 def to_device(mb: dict) -> dict:

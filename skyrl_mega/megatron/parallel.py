@@ -13,6 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..ports import free_port
 from . import compat
 
 
@@ -23,7 +24,7 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     backend = "nccl" if compat.cuda_available() else "gloo"
@@ -31,14 +32,6 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_model_parallel(parallel, seed: int = 1234) -> None:

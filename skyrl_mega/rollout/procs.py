@@ -15,7 +15,6 @@ import atexit
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -58,44 +57,6 @@ def _popen(argv, **kwargs) -> subprocess.Popen:
         if _SPAWNER is None:
             _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyrl-spawner")
     return _SPAWNER.submit(subprocess.Popen, argv, **kwargs).result()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int, host: str = "127.0.0.1", exclude=()) -> list[int]:
-    """`n` distinct TCP ports, none in `exclude`, that were free a moment ago. The sockets are
-    held open together while the OS picks them: two separate free_port() calls can return the
-    same port (seen: a router given one port for HTTP and Prometheus failed to start)."""
-    socks, ports = [], []
-    try:
-        while len(ports) < n:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((host, 0))
-            p = s.getsockname()[1]
-            if p not in exclude:
-                ports.append(p)
-        return ports
-    finally:
-        for s in socks:
-            s.close()
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could listen on `port` now (with SO_REUSEADDR, as uvicorn binds:
-    connections of a dead server in TIME_WAIT do not block it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

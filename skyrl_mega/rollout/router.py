@@ -32,7 +32,8 @@ import shutil
 import sys
 from typing import Sequence
 
-from .procs import ChildProcess, free_ports, wait_healthy
+from ..ports import free_ports
+from .procs import ChildProcess, wait_healthy
 
 
 def router_executable() -> list[str]:

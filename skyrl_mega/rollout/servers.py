@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .errors import ServerStartError
-from .procs import ChildProcess, free_port, http_status, port_is_free, wait_healthy
+from ..ports import free_port, port_is_free
+from .procs import ChildProcess, http_status, wait_healthy
 
 PLUGIN_WORKER_EXTENSION = "skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension"
 

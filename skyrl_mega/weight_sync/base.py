@@ -17,12 +17,14 @@ byte of that bucket after its checksums were taken (verification must catch it).
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from ..devices import current_device
+from ..ports import free_port
 
 from ..rollout.control import PAUSE_MODES, EngineControl
 from ..rollout.errors import WeightSyncError
@@ -30,12 +32,6 @@ from ..rollout.transport import NamedTensors, WeightTransport
 from .clients import ChannelClient, HttpEngineClient
 
 logger = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class BucketTransport(WeightTransport):
@@ -58,7 +54,7 @@ class BucketTransport(WeightTransport):
         self.verify = verify
         self.timeout_s = timeout_s
         self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+            current_device())
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
         self.store = None
@@ -82,7 +78,7 @@ class BucketTransport(WeightTransport):
 
             import torch.distributed as dist
 
-            self.master_port = self.master_port or free_port()
+            self.master_port = self.master_port or free_port("")
             self.store = dist.TCPStore(self.master_address, int(self.master_port), None, True,
                                        timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
             for c in self.clients:

@@ -18,7 +18,7 @@ from skyrl_mega.rollout.errors import (
     RolloutResponseError,
     RolloutTimeoutError,
 )
-from skyrl_mega.rollout.procs import free_port
+from skyrl_mega.ports import free_port
 
 PROMPT = [3, 4, 5]
 

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from skyrl_mega.rollout.errors import ServerStartError
-from skyrl_mega.rollout.procs import ChildProcess, free_port, free_ports, group_alive, http_status
+from skyrl_mega.ports import free_port, free_ports
+from skyrl_mega.rollout.procs import ChildProcess, group_alive, http_status
 from skyrl_mega.rollout.router import RouterProcess
 from skyrl_mega.rollout.servers import ServerConfig, ServerManager, core_slices
 

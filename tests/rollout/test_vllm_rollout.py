@@ -160,7 +160,7 @@ def test_bad_inputs_are_clear_errors(stack):
 
 
 def test_unreachable_server_is_a_clear_error():
-    from skyrl_mega.rollout.procs import free_port
+    from skyrl_mega.ports import free_port
 
     t0 = time.monotonic()
     with pytest.raises(RolloutConnectionError):

@@ -125,7 +125,7 @@ def main():
         # 2) a standalone receiver (transformers, original weights) on gloo
         transport, rx_proc, client = None, None, None
         if rank == 0:
-            from skyrl_mega.weight_sync.base import free_port
+            from skyrl_mega.ports import free_port
 
             port = free_port()
             rx_proc = start_receiver(port, kv["receiver_model"], out_dir)
@@ -182,7 +182,7 @@ def main():
         #    found after the last bucket (its last round already posted), then a clean sync
         ipc, rx_proc, client = None, None, None
         if rank == 0:
-            from skyrl_mega.weight_sync.base import free_port
+            from skyrl_mega.ports import free_port
 
             port = free_port()
             rx_proc = start_receiver(port, kv["receiver_model"], out_dir)
@@ -216,7 +216,7 @@ def main():
         urls = kv["urls"].split(",")
         transport, ctl, client, rx_proc = None, None, None, None
         if rank == 0:
-            from skyrl_mega.weight_sync.base import free_port
+            from skyrl_mega.ports import free_port
 
             port = free_port()
             rx_proc = start_receiver(port, kv["receiver_model"], out_dir)

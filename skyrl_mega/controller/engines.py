@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass
 
 from .placement import PlacementPlan, plan_placement
-from .rollout.client import RolloutClient, Sample, SamplingParams
-from .rollout.control import EngineControl
-from .rollout.router import RouterProcess
-from .rollout.servers import ServerConfig, ServerManager
+from ..rollout.client import RolloutClient, Sample, SamplingParams
+from ..rollout.control import EngineControl
+from ..rollout.router import RouterProcess
+from ..rollout.servers import ServerConfig, ServerManager
 
 
 @dataclass

@@ -10,19 +10,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .megatron.train_step import RLBatch
+from ..devices import current_device
+from ..megatron.train_step import RLBatch
 
 _FIELDS = ("input_ids", "response_mask", "advantages", "rollout_logprobs", "ref_logprobs", "routed_experts")
 _DTYPES = {"input_ids": torch.int64, "response_mask": torch.float32, "advantages": torch.float32,
            "rollout_logprobs": torch.float32, "ref_logprobs": torch.float32, "routed_experts": torch.int32}  # gloo has no int16
 
 
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _bcast(t: torch.Tensor, src: int) -> torch.Tensor:
-    dev = _device()
+    dev = current_device()
     moved = t.to(dev)
     dist.broadcast(moved, src)
     return moved.cpu()

@@ -12,9 +12,9 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from .algorithms import compute_advantages
-from .data.rewards import get_reward
-from .megatron.train_step import RLBatch
+from ..algorithms import compute_advantages
+from ..data.rewards import get_reward
+from ..megatron.train_step import RLBatch
 
 
 def score(cfg, tokenizer, items, rollouts) -> tuple[torch.Tensor, list[str]]:

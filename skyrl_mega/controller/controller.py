@@ -1,0 +1,45 @@
+"""Rank 0's half of the RL loop: prompts, engines, rewards.
+
+In: the config and the policy's bridge (HF config, MoE layer numbers). Out: `Controller`, built
+only on global rank 0: the prompt dataset and its resumable sampler, the rollout engines
+(engines.py), and `rollout(step)`, which returns one step's RLBatch and rollout metrics.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..data.dataset import PromptSampler, load_prompts
+from ..data.synthetic import write_digits_task
+from .engines import RolloutEngines
+from .log import log0
+from .rollout_batch import build_rl_batch
+
+
+class Controller:
+    """Data, engines, rewards. Built only on rank 0."""
+
+    def __init__(self, cfg, bridge):
+        from transformers import AutoTokenizer
+
+        d = cfg.data
+        if d.synthetic and not os.path.exists(d.train_path):
+            write_digits_task(d.train_path, n=d.synthetic_size, seed=cfg.train.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.items, counts = load_prompts(d.train_path, self.tokenizer, chat_template=d.chat_template,
+                                          max_prompt_len=d.max_prompt_len)
+        log0(f"dataset {d.train_path}: {counts}")
+        self.sampler = PromptSampler(len(self.items), cfg.rollout.prompts_per_step, cfg.train.seed, d.shuffle)
+        hf = bridge.hf_config
+        self.engines = RolloutEngines(cfg, bridge.moe_layers, hf.num_hidden_layers,
+                                      getattr(hf, "num_experts", 0) or 0)
+        self.cfg = cfg
+
+    def rollout(self, step: int):
+        items = [self.items[i] for i in self.sampler.next_batch()]
+        rollouts = self.engines.generate([it.prompt_ids for it in items], step)
+        return build_rl_batch(self.cfg, self.tokenizer, items, rollouts)
+
+    def trainer_state(self) -> dict:
+        """What a checkpoint keeps of the controller: the sampler position."""
+        return {"sampler": self.sampler.state()}

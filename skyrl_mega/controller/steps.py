@@ -1,0 +1,95 @@
+"""The collective steps of the RL loop that the controller (rank 0) decides and every rank runs.
+
+In: the config, the controller (rank 0; None elsewhere), the policy. Out, on every rank:
+the resume step, a step's rollout (rank 0 only holds the batch) after retries, a weight sync
+after retries, periodic and final checkpoints. Rank 0's decisions reach the other ranks as
+broadcast integers, so every rank takes the same branch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import find_latest, save_checkpoint
+from ..devices import current_device
+from ..rollout.errors import RolloutError, WeightSyncError
+from ..weight_sync.sync import sync_weights
+from .log import log0
+
+
+def bcast_int(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=current_device())
+    dist.broadcast(t, 0)
+    return int(t.item())
+
+
+def resume_step(cfg, ckpt_root: str) -> int:
+    """Rank 0 picks the checkpoint (the newest that verifies); every rank learns its step."""
+    step = 0
+    if dist.get_rank() == 0 and cfg.checkpoint.resume != "none":
+        path = find_latest(ckpt_root, log=log0) if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume
+        if path:
+            step = int(os.path.basename(path.rstrip("/")).split("_")[-1])
+    return bcast_int(step)
+
+
+def rollout_with_retries(cfg, ctrl, policy, step: int, version: int):
+    """Collective. A failed rollout (e.g. a dead server) restarts servers, re-syncs weights, retries."""
+    sampler_state = ctrl.sampler.state() if ctrl is not None else None
+    for attempt in range(cfg.rollout.max_step_retries + 1):
+        result, ok = None, 1
+        if ctrl is not None:
+            try:
+                result = ctrl.rollout(step)
+            except RolloutError as e:
+                ok = 0
+                log0(f"step {step}: rollout failed (attempt {attempt + 1}): {str(e)[:300]}")
+                restarted = ctrl.engines.restart_dead()
+                log0(f"restarted servers {restarted}; re-syncing weights version {version}")
+                ctrl.sampler.load_state(sampler_state)  # the retry draws the same prompts
+        if bcast_int(ok):
+            return result
+        sync_with_retries(cfg, ctrl, policy, version)
+    raise RuntimeError(f"step {step}: rollout failed {cfg.rollout.max_step_retries + 1} times")
+
+
+def sync_with_retries(cfg, ctrl, policy, version: int) -> dict:
+    """Collective. A sync that fails (every rank raises, e.g. a server died) restarts dead
+    servers on rank 0 and sends the same weights again. Rank 0 sends, the others export."""
+    transport = ctrl.engines.transport if ctrl is not None else None
+    for attempt in range(cfg.rollout.max_step_retries + 1):
+        try:
+            return sync_weights(policy.bridge, policy.models, transport, version=version)
+        except WeightSyncError as e:
+            log0(f"weight sync {version} failed (attempt {attempt + 1}): {str(e)[:300]}")
+            if ctrl is not None:
+                log0(f"restarted servers {ctrl.engines.restart_dead()}; sending version {version} again")
+            dist.barrier()
+    raise RuntimeError(f"weight sync {version} failed {cfg.rollout.max_step_retries + 1} times")
+
+
+def _trainer_state(ctrl) -> dict:
+    return ctrl.trainer_state() if ctrl is not None else {"sampler": None}
+
+
+def save_due(cfg, policy, ctrl, ckpt_root: str, done: int) -> None:
+    """Collective: the periodic dist-ckpt and HF exports after `done` steps."""
+    c = cfg.checkpoint
+    if c.every_n_steps and done % c.every_n_steps == 0 and done < cfg.train.steps:
+        save_checkpoint(ckpt_root, done, policy.models, policy.optimizer, policy.scheduler, _trainer_state(ctrl),
+                        c.keep_last)
+    if c.hf_export_every_n_steps and done % c.hf_export_every_n_steps == 0:
+        policy.bridge.save_hf(policy.models, os.path.join(cfg.output_dir, "hf", f"step_{done}"))
+
+
+def save_final(cfg, policy, ctrl, ckpt_root: str) -> str:
+    """Collective: the last checkpoint, and the HF export when asked. Returns the HF dir."""
+    save_checkpoint(ckpt_root, cfg.train.steps, policy.models, policy.optimizer, policy.scheduler,
+                    _trainer_state(ctrl), cfg.checkpoint.keep_last)
+    hf_dir = os.path.join(cfg.output_dir, "hf", "final")
+    if cfg.checkpoint.hf_export_at_end:
+        policy.bridge.save_hf(policy.models, hf_dir)
+    return hf_dir
