@@ -14,10 +14,16 @@ DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
                               "recipes", "qwen3_moe", "tiny_cpu.yaml")
 
 
-def _load_and_validate(recipe: str | None, overrides: list[str], nproc: int | None):
-    from skyrl_mega.config import load_config, validate_config
+def _load(recipe: str | None, overrides: list[str]):
+    from skyrl_mega.config import load_config
 
-    cfg = load_config(recipe, overrides)
+    return load_config(recipe, overrides)
+
+
+def _validate(cfg, nproc: int | None) -> int:
+    """The one validator, in this process, before any rank or engine starts; returns the world size."""
+    from skyrl_mega.config import validate_config
+
     world = nproc or cfg.parallel.world_size or 1
     if cfg.model.make_tiny_if_missing and cfg.model.path and not os.path.isdir(cfg.model.path):
         from skyrl_mega.models.tiny import make_tiny
@@ -25,7 +31,13 @@ def _load_and_validate(recipe: str | None, overrides: list[str], nproc: int | No
         print(f"making tiny {cfg.model.family} model at {cfg.model.path}", flush=True)
         make_tiny(cfg.model.family, cfg.model.path)
     validate_config(cfg, world)
-    return cfg, world
+    return world
+
+
+def _print_cfg(cfg, args) -> None:
+    from omegaconf import OmegaConf
+
+    print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="", flush=True)
 
 
 def cmd_make_tiny(args) -> int:
@@ -37,17 +49,49 @@ def cmd_make_tiny(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    cfg, world = _load_and_validate(args.recipe, args.overrides, args.nproc)
-    print(f"config OK for world size {world}")
-    return 0
+    """Validates the recipe + overrides; with -m, every job of the sweep (exit 2 if any fails)."""
+    from skyrl_mega.config import ConfigError
+    from skyrl_mega.config.sweep import sweep_jobs
+
+    if not args.multirun:
+        cfg = _load(args.recipe, args.overrides)
+        if args.cfg:
+            _print_cfg(cfg, args)
+            return 0
+        print(f"config OK for world size {_validate(cfg, args.nproc)}")
+        return 0
+    jobs, failed = sweep_jobs(args.overrides), 0
+    for i, overrides in enumerate(jobs):
+        label = f"[{i + 1}/{len(jobs)}] {' '.join(overrides)}"
+        try:
+            cfg = _load(args.recipe, overrides)
+            if args.cfg:
+                print(f"# {label}")
+                _print_cfg(cfg, args)
+                continue
+            print(f"{label}: config OK for world size {_validate(cfg, args.nproc)}", flush=True)
+        except ConfigError as e:
+            failed += 1
+            print(f"{label}: {e}", file=sys.stderr, flush=True)
+    if failed:
+        print(f"skyrl-mega: {failed} of {len(jobs)} configs are invalid", file=sys.stderr)
+    return 2 if failed else 0
 
 
 def cmd_train(args) -> int:
+    """One training job: validate here, then torchrun the ranks (a sweep would run jobs one after
+    another, each owning every device and engine: sweep with `validate -m`, launch each)."""
+    from skyrl_mega.config.loader import resolve_recipe
     from skyrl_mega.launcher import run_torchrun
 
-    cfg, world = _load_and_validate(args.recipe, args.overrides, args.nproc)
+    recipe = resolve_recipe(args.recipe) if args.recipe else None
+    cfg = _load(recipe, args.overrides)
+    if args.cfg:
+        _print_cfg(cfg, args)
+        return 0
+    world = _validate(cfg, args.nproc)
     os.makedirs(cfg.output_dir, exist_ok=True)
-    argv = ([args.recipe] if args.recipe else []) + list(args.overrides)
+    argv = ([recipe] if recipe else []) + list(args.overrides)
     run_torchrun(args.entry, world, argv, timeout=args.timeout, env={"PYTHONUNBUFFERED": "1"},
                  stream=True)
     return 0
@@ -96,11 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--nproc", type=int, default=None, help="ranks (default: parallel.world_size)")
         p.add_argument("--timeout", type=float, default=3600)
         p.add_argument("--entry", default="skyrl_mega.trainer", help=argparse.SUPPRESS)
-        p.add_argument("overrides", nargs="*", help="key=value config overrides")
+        p.add_argument("-c", "--cfg", choices=["job"], help="print the composed config and exit (as Hydra's)")
+        p.add_argument("--resolve", action="store_true", help="with --cfg: resolve ${...} interpolations")
+        if name == "validate":
+            p.add_argument("-m", "--multirun", action="store_true",
+                           help="sweep: validate every combination of comma lists (parallel.ep=1,2)")
+        p.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, +key=value, ~key")
         p.set_defaults(fn=fn)
 
     args, extra = parser.parse_known_args(argv)
-    bad = [a for a in extra if "=" not in a or a.startswith("-")]
+    bad = [a for a in extra if ("=" not in a and not a.startswith("~")) or a.startswith("-")]
     if bad or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
     if extra:  # key=value overrides given after an option

@@ -32,7 +32,7 @@ BASE = [
     "optim.lr=1e-3", "optim.adam_eps=1e-6", "optim.clip_grad=1.0", "train.packing=true", "train.max_tokens_per_microbatch=48",
     "algorithm.routing_replay=true", "algorithm.use_reference=true", "algorithm.kl_coef=0.05",
     "algorithm.entropy_coef=0.01", "algorithm.old_logprobs=recompute", "algorithm.off_policy=tis",
-    "algorithm.temperature=0.9", "algorithm.policy_loss_kwargs.eps_low=0.1",
+    "algorithm.temperature=0.9", "+algorithm.policy_loss_kwargs.eps_low=0.1",
 ]
 
 
