@@ -19,7 +19,8 @@ from .checkpoint.dist_ckpt import step_dir
 from .config import load_config, validate_config
 from .controller.batch_transfer import broadcast_rl_batch
 from .controller.log import log0
-from .controller.steps import resume_step, rollout_with_retries, save_due, save_final, sync_with_retries
+from .controller.steps import (on_rank0, resume_step, rollout_with_retries, save_due, save_final,
+                               sync_with_retries)
 from .megatron import parallel
 from .megatron.packing import shard_for_dp
 from .megatron.train_step import build_policy, build_reference, train_step
@@ -41,21 +42,10 @@ def main(argv: list[str]) -> None:
     state = load_checkpoint(step_dir(ckpt_root, start), policy.models, policy.optimizer, policy.scheduler) \
         if start else {}
     policy.step = start
-    ctrl = None
-    if rank == 0:
-        from .controller.controller import Controller
-
-        ctrl = Controller(cfg, policy.bridge)
-    metrics_log = None
+    ctrl = metrics_log = None
     try:
-        if ctrl is not None:
-            if "sampler" in state:
-                ctrl.sampler.load_state(state["sampler"])
-            log0(f"starting engines (placement={cfg.placement}, transport={ctrl.engines.plan.transport})")
-            ctrl.engines.start()
-            from .controller.metrics import MetricsLogger
-
-            metrics_log = MetricsLogger(cfg, steps, start)
+        ctrl, metrics_log = on_rank0("starting the controller", start_controller, cfg, policy, state,
+                                     start) or (None, None)
         log0(f"{'resuming from step ' + str(start) if start else 'starting'}; world size {world}, "
              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}")
         sync_with_retries(cfg, ctrl, policy, version=start)
@@ -65,23 +55,20 @@ def main(argv: list[str]) -> None:
             result = rollout_with_retries(cfg, ctrl, policy, step, version=step)   # rank 0 only
             batch, metrics = (result[0], dict(result[1])) if result else (None, {})
             t_rollout = time.perf_counter() - t0
-            if ctrl is not None:
-                ctrl.engines.before_training()                                      # colocated: sleep
+            on_rank0("putting the engines to sleep", lambda: ctrl.engines.before_training())  # colocated: sleep
             batch = broadcast_rl_batch(batch)
             mine = batch.select(shard_for_dp(batch.lengths, mpu.get_data_parallel_world_size(),
                                              mpu.get_data_parallel_rank()))
             t1 = time.perf_counter()
             metrics.update(train_step(policy, mine, cfg, ref))
             t_train = time.perf_counter() - t1
-            if ctrl is not None:
-                ctrl.engines.before_rollout()                                       # colocated: wake
+            on_rank0("waking the engines", lambda: ctrl.engines.before_rollout())  # colocated: wake
             metrics.update(sync_with_retries(cfg, ctrl, policy, version=step + 1))
             save_due(cfg, policy, ctrl, ckpt_root, step + 1)
             step_s = time.perf_counter() - t0
             metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train, "time/step_s": step_s,
                             "tokens_per_s": sum(batch.lengths) / step_s})
-            if metrics_log is not None:
-                metrics_log.log(step, metrics)
+            on_rank0("logging metrics", lambda: metrics_log.log(step, metrics))
 
         hf_dir = save_final(cfg, policy, ctrl, ckpt_root)
         if ctrl is not None:
@@ -92,6 +79,23 @@ def main(argv: list[str]) -> None:
         if ctrl is not None:
             ctrl.engines.stop()
         parallel.destroy()
+
+
+def start_controller(cfg, policy, state: dict, start: int):
+    """Rank 0: data, engines and metrics sinks; a resumed run continues the sampler."""
+    from .controller.controller import Controller
+    from .controller.metrics import MetricsLogger
+
+    ctrl = Controller(cfg, policy.bridge)
+    if "sampler" in state:
+        ctrl.sampler.load_state(state["sampler"])
+    log0(f"starting engines (placement={cfg.placement}, transport={ctrl.engines.plan.transport})")
+    try:
+        ctrl.engines.start()
+        return ctrl, MetricsLogger(cfg, cfg.train.steps, start)
+    except BaseException:
+        ctrl.engines.stop()
+        raise
 
 
 if __name__ == "__main__":

@@ -32,7 +32,20 @@ def _registry_problems(cfg) -> list[str]:
         checks.append(("algorithm.off_policy", a.off_policy, algorithms.OFF_POLICY_CORRECTIONS))
     checks += [(f"data.reward_by_source.{k}", v, REWARDS) for k, v in cfg.data.reward_by_source.items()]
     return [f"{key}={val!r} is not registered; choose one of {sorted(reg)}" for key, val, reg in checks
-            if val not in reg]
+            if val not in reg and not (reg is REWARDS and _importable_reward(val))]
+
+
+def _importable_reward(name: str) -> bool:
+    """A reward given as `module:function` (skyrl_mega.data.rewards.get_reward imports it)."""
+    from skyrl_mega.data.rewards import get_reward
+
+    if ":" not in name:
+        return False
+    try:
+        get_reward(name)
+        return True
+    except ValueError:
+        return False
 
 
 class ConfigError(ValueError):

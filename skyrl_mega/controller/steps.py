@@ -20,10 +20,50 @@ from ..weight_sync.sync import sync_weights
 from .log import log0
 
 
+class Rank0Failed(RuntimeError):
+    """Raised on every rank but 0 when rank 0 failed in a step it runs alone."""
+
+
 def bcast_int(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=current_device())
     dist.broadcast(t, 0)
     return int(t.item())
+
+
+def _bcast_text(text: str | None) -> str:
+    """Rank 0's text to every rank, as UTF-8 bytes in a uint8 tensor (no pickle)."""
+    data = (text or "").encode()[:8192] if dist.get_rank() == 0 else b""
+    n = bcast_int(len(data))
+    t = torch.zeros(n, dtype=torch.uint8, device=current_device())
+    if dist.get_rank() == 0 and n:
+        t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(t, 0)
+    return bytes(t.cpu().tolist()).decode(errors="replace")
+
+
+def raise_everywhere(failed: bool, error: BaseException | None, what: str) -> None:
+    """Collective, after rank 0 ran `what` alone: when it failed, rank 0 re-raises its error and
+    every other rank raises Rank0Failed with that error as the message, so no rank is left
+    waiting in the next collective."""
+    if not bcast_int(int(failed)):
+        return
+    message = _bcast_text(f"{type(error).__name__}: {error}" if error is not None else "")
+    if dist.get_rank() == 0:
+        raise error
+    raise Rank0Failed(f"rank 0 failed in {what}: {message}")
+
+
+def on_rank0(what: str, fn, *args):
+    """Collective: `fn(*args)` on rank 0 only; every rank learns whether it worked, and a failure
+    stops every rank with rank 0's error (raise_everywhere). Returns fn's result on rank 0."""
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised on rank 0
+            error = e
+    raise_everywhere(error is not None, error, what)
+    return result
 
 
 def resume_step(cfg, ckpt_root: str) -> int:
@@ -40,17 +80,23 @@ def rollout_with_retries(cfg, ctrl, policy, step: int, version: int):
     """Collective. A failed rollout (e.g. a dead server) restarts servers, re-syncs weights, retries."""
     sampler_state = ctrl.sampler.state() if ctrl is not None else None
     for attempt in range(cfg.rollout.max_step_retries + 1):
-        result, ok = None, 1
+        result, retry, error = None, 0, None
         if ctrl is not None:
             try:
                 result = ctrl.rollout(step)
             except RolloutError as e:
-                ok = 0
+                retry = 1
                 log0(f"step {step}: rollout failed (attempt {attempt + 1}): {str(e)[:300]}")
-                restarted = ctrl.engines.restart_dead()
-                log0(f"restarted servers {restarted}; re-syncing weights version {version}")
-                ctrl.sampler.load_state(sampler_state)  # the retry draws the same prompts
-        if bcast_int(ok):
+                try:
+                    restarted = ctrl.engines.restart_dead()
+                    log0(f"restarted servers {restarted}; re-syncing weights version {version}")
+                    ctrl.sampler.load_state(sampler_state)  # the retry draws the same prompts
+                except Exception as e2:  # noqa: BLE001 - a server that cannot restart ends the run
+                    error = e2
+            except Exception as e:  # noqa: BLE001 - e.g. a reward function raising
+                error = e
+        raise_everywhere(error is not None, error, f"step {step} rollout")
+        if not bcast_int(retry):
             return result
         sync_with_retries(cfg, ctrl, policy, version)
     raise RuntimeError(f"step {step}: rollout failed {cfg.rollout.max_step_retries + 1} times")
@@ -65,9 +111,9 @@ def sync_with_retries(cfg, ctrl, policy, version: int) -> dict:
             return sync_weights(policy.bridge, policy.models, transport, version=version)
         except WeightSyncError as e:
             log0(f"weight sync {version} failed (attempt {attempt + 1}): {str(e)[:300]}")
-            if ctrl is not None:
-                log0(f"restarted servers {ctrl.engines.restart_dead()}; sending version {version} again")
-            dist.barrier()
+            restarted = on_rank0(f"restarting servers after weight sync {version}",
+                                 lambda: ctrl.engines.restart_dead())
+            log0(f"restarted servers {restarted}; sending version {version} again")
     raise RuntimeError(f"weight sync {version} failed {cfg.rollout.max_step_retries + 1} times")
 
 

@@ -1,8 +1,8 @@
 """Reward functions: a registry of rule-based scorers.
 
 In: the response text, the ground truth and the sample's metadata. Out: a float in [0, 1].
-Register your own with `@register_reward("name")`; pick it per sample by `data_source`
-(or the config's default).
+Register your own with `@register_reward("name")`, or name one by import path
+(`module:function`); pick it per sample by `data_source` (or the config's default).
 """
 
 from __future__ import annotations
@@ -25,9 +25,22 @@ def register_reward(name: str, *, override: bool = False):
 
 
 def get_reward(name: str) -> RewardFn:
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)}")
-    return REWARDS[name]
+    """A registered name, or `package.module:function` (imported): a reward of your own without
+    touching this package, e.g. `data.reward=my_rewards:exact_match`."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module!r} ({e})") from None
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} is not callable")
+        return fn
+    raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)} (or give module:function)")
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

@@ -1,0 +1,35 @@
+"""A failure on rank 0 outside the rollout retry (here: the user's reward function raises) stops
+every rank promptly, and every rank reports rank 0's error, instead of the other ranks waiting
+in a collective until the process-group timeout (or dying on a closed gloo pair)."""
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from skyrl_mega.launcher import torchrun_cmd
+
+from .conftest import REPO
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.vllm]
+RECIPE = os.path.join(REPO, "recipes/qwen3_moe/tiny_cpu.yaml")
+
+
+def test_reward_function_raising_on_rank0_stops_every_rank_with_its_message(tiny_qwen3_moe, tmp_path):
+    out = tmp_path / "run"
+    args = [RECIPE, f"model.path={tiny_qwen3_moe}", f"output_dir={out}", f"data.train_path={tmp_path / 'd.jsonl'}",
+            "data.reward=tests.workers.raising_reward:explode", "train.steps=3", "logging.progress_bar=false",
+            "logging.tensorboard=false"]
+    log = tmp_path / "run.log"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(torchrun_cmd("skyrl_mega.trainer", 2, args), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    rc = proc.wait(timeout=900)
+    text = open(log).read()
+    assert rc != 0, text[-3000:]
+    rank1 = "\n".join(line for line in text.splitlines() if line.startswith("[rank1]"))
+    assert "rank 0 failed" in rank1 and "reward exploded on purpose" in rank1, text[-4000:]
+    assert "Connection closed by peer" not in text, text[-4000:]
+    assert time.monotonic() - t0 < 900
