@@ -30,7 +30,7 @@ def _validate(cfg, nproc: int | None) -> int:
 
         print(f"making tiny {cfg.model.family} model at {cfg.model.path}", flush=True)
         make_tiny(cfg.model.family, cfg.model.path)
-    validate_config(cfg, world)
+    validate_config(cfg, world, for_training=True, probe_engines=True)
     return world
 
 

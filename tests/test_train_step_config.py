@@ -1,30 +1,39 @@
-"""RL train-step config validation and batch checks (no process group)."""
+"""RL train-step settings are checked by the one config validator (before any rank starts),
+and the RL batch checks itself (no process group)."""
 
 import pytest
 import torch
 
-from skyrl_mega.config import load_config
-from skyrl_mega.megatron.train_step import RLBatch, validate_algorithm
+from skyrl_mega.config import ConfigError, load_config, validate_config
+from skyrl_mega.megatron.train_step import RLBatch
 
 
-def test_defaults_are_valid():
-    validate_algorithm(load_config(None, []))
-    validate_algorithm(load_config(None, ["algorithm.policy_loss=gspo", "algorithm.off_policy=mis",
-                                          "algorithm.reduction=seq_mean_token_sum_norm",
-                                          "algorithm.max_len_norm=512", "train.recompute_granularity=full"]))
+def test_defaults_are_valid(tiny_qwen3_moe):
+    validate_config(load_config(None, [f"model.path={tiny_qwen3_moe}"]))
+    validate_config(load_config(None, [f"model.path={tiny_qwen3_moe}", "algorithm.policy_loss=gspo",
+                                       "algorithm.off_policy=mis", "algorithm.reduction=seq_mean_token_sum_norm",
+                                       "algorithm.max_len_norm=512", "train.recompute_granularity=full"]))
 
 
-def test_every_problem_is_listed():
-    cfg = load_config(None, ["algorithm.policy_loss=foo", "algorithm.reduction=seq_mean_token_sum_norm",
-                             "algorithm.off_policy=bar", "algorithm.kl_estimator=k9", "algorithm.old_logprobs=x",
-                             "algorithm.temperature=0", "algorithm.ref_routing_replay=true", "parallel.cp=2",
-                             "train.packing=false", "train.recompute_granularity=selective"])
-    with pytest.raises(ValueError) as e:
-        validate_algorithm(cfg)
+def test_every_problem_is_listed(tiny_qwen3_moe):
+    cfg = load_config(None, [f"model.path={tiny_qwen3_moe}", "algorithm.policy_loss=foo",
+                             "algorithm.reduction=seq_mean_token_sum_norm", "algorithm.off_policy=bar",
+                             "algorithm.kl_estimator=k9", "algorithm.old_logprobs=x", "algorithm.temperature=0",
+                             "algorithm.ref_routing_replay=true", "parallel.cp=2", "train.packing=false",
+                             "train.recompute_granularity=selective"])
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, 2)
     msg = str(e.value)
     for key in ("policy_loss='foo'", "max_len_norm", "off_policy='bar'", "kl_estimator='k9'", "old_logprobs='x'",
                 "temperature", "use_reference", "packing=true", "recompute_granularity"):
         assert key in msg, key
+
+
+def test_sequence_level_losses_are_rejected_with_context_parallel(tiny_qwen3_moe):
+    for loss in ("algorithm.policy_loss=gspo", "algorithm.off_policy=seq_tis"):
+        cfg = load_config(None, [f"model.path={tiny_qwen3_moe}", "parallel.cp=2", loss])
+        with pytest.raises(ConfigError, match="sequence-level losses"):
+            validate_config(cfg, 2)
 
 
 def _batch(lengths=(4, 6)):

@@ -1,7 +1,15 @@
-"""Fail-fast config validation, run before any process group starts.
+"""The one config validator: run by `skyrl-mega validate` and `train` in the launching process,
+before torchrun, any rank or any engine starts (and by each trainer rank, without the probe).
 
-In: a SkyrlConfig and the launcher's world size. Out: None, or one ConfigError whose message
-lists every problem found, each naming the config key and how to fix it.
+In: a SkyrlConfig, the world size, optionally the model's HF config (else read from
+model.path). Out: None, or one ConfigError listing every problem, one line each, naming the
+key, what is wrong and how to fix it (a single problem is a single line).
+
+Checked here: the model checkpoint and layer spec, the parallel layout against the world size,
+the model (experts vs EP, layers vs PP, heads vs TP) and the spec (context parallel needs TE);
+field_checks.py: every other field (ranges, choices, registered names and their options,
+engine URLs). for_training adds what only a training run needs (its data); probe_engines asks
+each rollout.external_urls engine for /health (the CLI does; ranks skip it).
 """
 
 from __future__ import annotations
@@ -10,42 +18,10 @@ import json
 import os
 from typing import Any, Optional
 
-CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
-    "model.spec": ("auto", "te", "local"),
-    "optim.lr_decay_style": ("constant", "cosine"),
-    "placement": ("colocated", "disaggregated"),
-    "rollout.weight_transport": ("auto", "shm", "nccl", "cuda_ipc"),
-}
+from .field_checks import SEQUENCE_LEVEL, at_least, choice, field_problems
 
-
-def _registry_problems(cfg) -> list[str]:
-    """Names that must exist in the algorithm / reward registries."""
-    from skyrl_mega import algorithms
-    from skyrl_mega.data.rewards import REWARDS
-
-    a = cfg.algorithm
-    checks = [("algorithm.advantage", a.advantage, algorithms.ADVANTAGE_ESTIMATORS),
-              ("algorithm.policy_loss", a.policy_loss, algorithms.POLICY_LOSSES),
-              ("data.reward", cfg.data.reward, REWARDS)]
-    if a.off_policy:
-        checks.append(("algorithm.off_policy", a.off_policy, algorithms.OFF_POLICY_CORRECTIONS))
-    checks += [(f"data.reward_by_source.{k}", v, REWARDS) for k, v in cfg.data.reward_by_source.items()]
-    return [f"{key}={val!r} is not registered; choose one of {sorted(reg)}" for key, val, reg in checks
-            if val not in reg and not (reg is REWARDS and _importable_reward(val))]
-
-
-def _importable_reward(name: str) -> bool:
-    """A reward given as `module:function` (skyrl_mega.data.rewards.get_reward imports it)."""
-    from skyrl_mega.data.rewards import get_reward
-
-    if ":" not in name:
-        return False
-    try:
-        get_reward(name)
-        return True
-    except ValueError:
-        return False
+MODEL_DTYPES = ("float32", "bfloat16")
+SPECS = ("auto", "te", "local")
 
 
 class ConfigError(ValueError):
@@ -70,74 +46,89 @@ def num_experts(hf: dict[str, Any]) -> int:
     return 0
 
 
-def _get(cfg, dotted: str):
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
+def uses_te(spec: str) -> bool:
+    """The layer spec the bridge builds: TE for `te`, and for `auto` when it is importable."""
+    if spec != "auto":
+        return spec == "te"
+    from bridges.interface import te_available
+
+    return te_available()
 
 
-def validate_config(cfg, world_size: Optional[int] = None, hf: Optional[dict] = None) -> None:
-    """Raises ConfigError listing every problem; returns None when the config is usable."""
-    problems: list[str] = []
-    p = cfg.parallel
-    world = world_size or p.world_size or 1
+def model_problems(cfg) -> list[str]:
+    m, out = cfg.model, []
+    if not m.path:
+        out.append("model.path is missing: set model.path=<HF checkpoint dir>")
+    elif not os.path.isfile(os.path.join(m.path, "config.json")):
+        why = "the directory does not exist" if not os.path.isdir(m.path) else "no config.json in it"
+        out.append(f"model.path: no checkpoint at {m.path} ({why}): fix model.path, or make a tiny random "
+                   "one with `skyrl-mega make-tiny FAMILY DIR`")
+    out += choice("model.dtype", m.dtype, MODEL_DTYPES) + choice("model.spec", m.spec, SPECS)
+    if m.spec == "te" and not uses_te("auto"):
+        out.append("model.spec=te but transformer-engine is not importable: install it, or use model.spec=local")
+    return out
 
-    for key, allowed in CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            problems.append(f"{key}={_get(cfg, key)!r} is not one of {list(allowed)}")
-    for key in ("tp", "pp", "cp", "ep"):
-        if getattr(p, key) < 1:
-            problems.append(f"parallel.{key} must be >= 1 (got {getattr(p, key)})")
+
+def layout_problems(cfg, world: int) -> list[str]:
+    """The parallel layout vs the world size, the layer spec and the RL step's data path."""
+    p, a = cfg.parallel, cfg.algorithm
+    out = at_least(cfg, 1, [f"parallel.{k}" for k in ("tp", "pp", "cp", "ep")])
+    out += at_least(cfg, 1, ["parallel.etp", "parallel.world_size"], optional=True)
+    if out:
+        return out
     etp = p.etp if p.etp is not None else p.tp
-    model_parallel = p.tp * p.pp * p.cp
-    if model_parallel >= 1 and world % model_parallel:
-        problems.append(
-            f"world size {world} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel}"
-        )
-    if etp * p.ep * p.pp >= 1 and world % (etp * p.ep * p.pp):
-        problems.append(
-            f"world size {world} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp} = {etp * p.ep * p.pp}"
-        )
+    if world % (p.tp * p.pp * p.cp):
+        out.append(f"world size {world} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {p.tp * p.pp * p.cp}")
+    if world % (etp * p.ep * p.pp):
+        out.append(f"world size {world} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp} = {etp * p.ep * p.pp}")
+    if p.cp > 1:
+        if cfg.model.spec in SPECS and not uses_te(cfg.model.spec):
+            out.append(f"parallel.cp={p.cp}: context parallel needs the TE layer spec, and model.spec="
+                       f"{cfg.model.spec} builds the local spec, which cannot run it: set parallel.cp=1 "
+                       "(or model.spec=te with transformer-engine installed)")
+        if not cfg.train.packing:
+            out.append(f"parallel.cp={p.cp} needs train.packing=true (THD)")
+        if a.policy_loss in SEQUENCE_LEVEL or (a.off_policy or "") in SEQUENCE_LEVEL:
+            out.append(f"sequence-level losses / corrections {list(SEQUENCE_LEVEL)} are not supported with "
+                       f"parallel.cp={p.cp}")
+    return out
 
-    if not cfg.model.path:
-        problems.append("model.path is missing: set model.path=<HF checkpoint dir>")
-    elif not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny_if_missing:
-        problems.append(f"model.path={cfg.model.path!r} does not exist")
 
+def model_layout_problems(cfg, hf: dict[str, Any]) -> list[str]:
+    """The layout against the model's shape (HF config)."""
+    p, out = cfg.parallel, []
+    if min(p.tp, p.pp, p.ep) < 1:
+        return out
+    experts = num_experts(hf)
+    if experts and experts % p.ep:
+        out.append(f"{experts} experts are not divisible by parallel.ep={p.ep}")
+    if not experts and p.ep > 1:
+        out.append(f"parallel.ep={p.ep} but the model has no experts")
+    sp = p.sequence_parallel if p.sequence_parallel is not None else p.tp > 1
+    if experts and p.tp > 1 and not sp:
+        out.append(f"parallel.tp={p.tp} with a MoE model needs sequence parallel: "
+                   "set parallel.sequence_parallel=true (or leave it unset)")
+    layers = hf.get("num_hidden_layers", 0)
+    if layers and layers % p.pp:
+        out.append(f"{layers} layers are not divisible by parallel.pp={p.pp}")
+    heads, kv = hf.get("num_attention_heads", 0), hf.get("num_key_value_heads", 0)
+    if heads and heads % p.tp:
+        out.append(f"{heads} attention heads are not divisible by parallel.tp={p.tp}")
+    if kv and kv % p.tp:
+        out.append(f"{kv} key/value heads are not divisible by parallel.tp={p.tp}")
+    return out
+
+
+def validate_config(cfg, world_size: Optional[int] = None, hf: Optional[dict] = None, *,
+                    for_training: bool = False, probe_engines: bool = False) -> None:
+    """Raises ConfigError listing every problem; returns None when the config is usable."""
+    world = world_size or cfg.parallel.world_size or 1
+    problems = model_problems(cfg) + layout_problems(cfg, world)
     hf = hf if hf is not None else read_hf_config(cfg.model.path)
     if hf is not None:
-        experts = num_experts(hf)
-        if experts and experts % p.ep:
-            problems.append(f"{experts} experts are not divisible by parallel.ep={p.ep}")
-        if not experts and p.ep > 1:
-            problems.append(f"parallel.ep={p.ep} but the model has no experts")
-        sp = p.sequence_parallel if p.sequence_parallel is not None else p.tp > 1
-        if experts and p.tp > 1 and not sp:
-            problems.append(
-                f"parallel.tp={p.tp} with a MoE model needs sequence parallel: "
-                "set parallel.sequence_parallel=true (or leave it unset)"
-            )
-        layers = hf.get("num_hidden_layers", 0)
-        if layers and layers % p.pp:
-            problems.append(f"{layers} layers are not divisible by parallel.pp={p.pp}")
-        heads, kv = hf.get("num_attention_heads", 0), hf.get("num_key_value_heads", 0)
-        if heads and heads % p.tp:
-            problems.append(f"{heads} attention heads are not divisible by parallel.tp={p.tp}")
-        if kv and kv % p.tp:
-            problems.append(f"{kv} key/value heads are not divisible by parallel.tp={p.tp}")
-
-    problems += _registry_problems(cfg)
-    r = cfg.rollout
-    if r.n_samples_per_prompt < 1 or r.prompts_per_step < 1 or r.max_tokens < 1:
-        problems.append("rollout.prompts_per_step, n_samples_per_prompt and max_tokens must be >= 1")
-    if cfg.algorithm.advantage in ("grpo", "rloo", "grpo_no_std", "maxrl") and r.n_samples_per_prompt < 2:
-        problems.append(f"algorithm.advantage={cfg.algorithm.advantage} compares samples of one prompt: "
-                        "set rollout.n_samples_per_prompt >= 2")
-    if r.sleep_level not in (1, 2):
-        problems.append(f"rollout.sleep_level must be 1 or 2 (got {r.sleep_level})")
-    t = cfg.train
-    if t.global_batch_size < 1 or t.micro_batch_size < 1:
-        problems.append("train.global_batch_size and train.micro_batch_size must be >= 1")
+        problems += model_layout_problems(cfg, hf)
+    problems += field_problems(cfg, for_training=for_training, probe_engines=probe_engines)
+    if len(problems) == 1:
+        raise ConfigError(f"invalid config: {problems[0]}")
     if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(f"invalid config ({len(problems)} problems):\n  - " + "\n  - ".join(problems))
