@@ -31,7 +31,9 @@ megatron (`calculate_per_token_loss=True`), so neither the schedule nor
 Logprobs come from vocab-parallel logits (`logprobs.vocab_parallel_logprobs`, logits / T).
 Context parallel (TE spec only) is handled in the data path (zig-zag split of tokens, labels,
 routes; per-sample logprobs all-reduced over CP) but not exercised on CPU; sequence-level
-losses (gspo, seq_tis, mis) under CP are rejected. Virtual pipeline stages are not supported.
+losses (gspo, seq_tis, mis) under CP are rejected, like every other bad setting, by the config
+validator (skyrl_mega/config/validate.py) before the ranks start; this module checks only what
+depends on the built model. Virtual pipeline stages are not supported.
 """
 
 from __future__ import annotations
@@ -51,44 +53,6 @@ from .logprobs import vocab_parallel_logprobs
 from .packing import MicroBatchLayout, plan_microbatches
 from .batch import RLBatch  # noqa: F401  (re-exported: callers import it from here)
 from .r3_replay import R3Replay, align_routes, microbatch_routes
-
-SEQUENCE_LEVEL = {"gspo", "seq_tis", "mis"}
-
-
-# ---------------------------------------------------------------------------- config
-def validate_algorithm(cfg) -> None:
-    """Raises ValueError listing every unusable algorithm.* / train.* setting of the RL step
-    (names checked against the algorithms registries). Cheap; call it before launching ranks."""
-    from ..algorithms import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES, REDUCTION_MODES
-
-    alg, problems = cfg.algorithm, []
-    if alg.policy_loss not in POLICY_LOSSES:
-        problems.append(f"algorithm.policy_loss={alg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
-    if alg.reduction not in REDUCTION_MODES:
-        problems.append(f"algorithm.reduction={alg.reduction!r} is not one of {list(REDUCTION_MODES)}")
-    if alg.reduction == "seq_mean_token_sum_norm" and not (alg.max_len_norm and alg.max_len_norm > 0):
-        problems.append("algorithm.reduction=seq_mean_token_sum_norm needs algorithm.max_len_norm > 0")
-    if alg.off_policy is not None and alg.off_policy not in OFF_POLICY_CORRECTIONS:
-        problems.append(f"algorithm.off_policy={alg.off_policy!r} is not one of {sorted(OFF_POLICY_CORRECTIONS)}")
-    if alg.kl_estimator not in KL_ESTIMATORS:
-        problems.append(f"algorithm.kl_estimator={alg.kl_estimator!r} is not one of {sorted(KL_ESTIMATORS)}")
-    if alg.old_logprobs not in ("rollout", "recompute"):
-        problems.append(f"algorithm.old_logprobs={alg.old_logprobs!r}: use 'rollout' or 'recompute'")
-    if alg.temperature <= 0:
-        problems.append(f"algorithm.temperature must be > 0, got {alg.temperature}")
-    if alg.ref_routing_replay and not alg.use_reference:
-        problems.append("algorithm.ref_routing_replay needs algorithm.use_reference=true")
-    if cfg.train.recompute_granularity not in (None, "full"):
-        problems.append(f"train.recompute_granularity={cfg.train.recompute_granularity!r}: use null or 'full'")
-    if cfg.train.max_tokens_per_microbatch is not None and cfg.train.max_tokens_per_microbatch < 1:
-        problems.append("train.max_tokens_per_microbatch must be >= 1 (or null)")
-    if cfg.parallel.cp > 1 and not cfg.train.packing:
-        problems.append("parallel.cp > 1 needs train.packing=true (THD)")
-    if cfg.parallel.cp > 1 and (alg.policy_loss in SEQUENCE_LEVEL or (alg.off_policy or "") in SEQUENCE_LEVEL):
-        problems.append("sequence-level losses / corrections (gspo, seq_tis, mis) are not supported with parallel.cp > 1")
-    if problems:
-        raise ValueError("invalid RL train-step config:\n  - " + "\n  - ".join(problems))
-
 
 # ---------------------------------------------------------------------------- models
 @dataclass
@@ -110,11 +74,9 @@ class ReferenceModel:
 
 
 def _recompute_overrides(cfg) -> dict:
-    g = cfg.train.recompute_granularity
-    if not g:
+    """train.recompute_granularity (null or full; the config validator rejects anything else)."""
+    if not cfg.train.recompute_granularity:
         return {}
-    if g != "full":
-        raise ValueError(f"train.recompute_granularity={g!r}: only 'full' (or null) is supported")
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
@@ -486,7 +448,6 @@ def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[Reference
     """One RL update on this DP rank's samples (collective over all ranks). See module docstring."""
     t0 = time.perf_counter()
     alg = cfg.algorithm
-    validate_algorithm(cfg)
     batch.validate()
     bridge = policy.bridge
     par = _Par.current(bridge.config)
