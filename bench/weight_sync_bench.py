@@ -38,6 +38,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from skyrl_mega.ports import free_port  # noqa: E402
+
 SIZES = {
     # ~14.7 GB bf16: 16 layers x 32 experts x (3 x 2048 x 2048), vocab 151936
     "big": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=2048,

@@ -155,7 +155,7 @@ def run_trainer(a) -> None:
             dt, _ = timed_sync(0, g)  # NCCL communicators, plans
         ex = get_exporter(bridge, models, bucket, "auto")
         st["plan"] = plan = ex.plan()
-        res["auto_gather"] = "ipc (peer reads)" if ex._peer is not None else "nccl"
+        res["auto_gather"] = "ipc (peer reads)" if ex.peers.active is not None else "nccl"
         res["warmup_s"] = dt
         res["plan"] = plan.summary()
         res["model_bytes"] = plan.total_bytes
@@ -214,7 +214,7 @@ def run_trainer(a) -> None:
 
     def set_slots(n):
         if rank == 0 and transport.num_slots != n:
-            from skyrl_mega.weight_sync.export import SlotPool
+            from skyrl_mega.weight_sync.slot_pool import SlotPool
 
             transport.pool.drain()
             transport.num_slots, transport.pool = n, SlotPool(dev, n=n)
@@ -223,8 +223,8 @@ def run_trainer(a) -> None:
         """How the leader reads the other ranks' experts (peer_gather.PeerExpertGather.copier)
         and which bucket kind the plan sends first."""
         ex = get_exporter(bridge, models, bucket, "auto")
-        if ex._peer is not None and peer_copy != "-":
-            ex._peer.copier = peer_copy.split("-")[0]
+        if ex.peers.active is not None and peer_copy != "-":
+            ex.peers.active.copier = peer_copy.split("-")[0]
             ex.peer_rows_first = not peer_copy.endswith("-own-first")
         if rank == 0:
             transport.bucket_first = first
@@ -293,7 +293,7 @@ def run_trainer(a) -> None:
 
     def s_export_only():
         """The export without the transport: plan check + gather + pack into two rotating buffers."""
-        from skyrl_mega.weight_sync.export import SlotPool
+        from skyrl_mega.weight_sync.slot_pool import SlotPool
 
         ex = get_exporter(bridge, models, bucket, "auto")
         pool = SlotPool(dev, n=2)
@@ -445,7 +445,7 @@ def run_trainer(a) -> None:
         ex = get_exporter(bridge, models, bucket, "auto")
         # the by-name tensor lookup that opens every sync, timed warm (back to back), after the
         # thread slept, and right after a CUDA synchronize (as in the timed syncs)
-        idx, lk = ex._index, {}
+        idx, lk = ex.check.index, {}
         for label, before in (("warm", lambda: None), ("after_sleep", lambda: time.sleep(0.05)),
                               ("after_cuda_sync", sync_all)):
             ms = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from skyrl_mega.weight_sync.plan import ParamIndex
+from skyrl_mega.weight_sync.params import ParamIndex
 
 
 def _model():

@@ -17,7 +17,8 @@ from .clients import ChannelClient, HttpEngineClient
 from .cuda_ipc import CudaIpcTransport
 from .export import BucketExporter, export_hf_state_dict, get_exporter
 from .nccl import NcclBroadcastTransport
-from .plan import DEFAULT_BUCKET_BYTES, BucketPlan, build_plan
+from .plan import DEFAULT_BUCKET_BYTES, BucketPlan
+from .planner import build_plan
 from .protocol import WeightSyncAborted
 from .receiver import WeightReceiver
 from .sync import sync_weights

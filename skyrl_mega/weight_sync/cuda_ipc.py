@@ -38,8 +38,7 @@ from ..rollout.errors import WeightSyncError
 from . import ipc_handles
 from .base import BucketTransport
 from .checksum import buffer_checksums, digest, tensor_checksum
-from .export import direct_view
-from .plan import ALIGN, BucketPlan, BucketSpec
+from .plan import ALIGN, BucketPlan, BucketSpec, direct_view
 
 logger = logging.getLogger(__name__)
 

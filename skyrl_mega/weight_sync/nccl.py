@@ -26,7 +26,7 @@ import torch
 from ..rollout.errors import WeightSyncError
 from .base import BucketTransport
 from .checksum import buffer_checksums, digest
-from .export import SlotPool
+from .slot_pool import SlotPool
 from .plan import BucketPlan, BucketSpec
 from .protocol import (END, MAGIC, OK, PROTO, STATUS_ABORT, STATUS_DATA, Communicator, plan_key, version_id,
                        write_header)

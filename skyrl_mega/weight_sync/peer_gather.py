@@ -12,24 +12,25 @@ Here members launch no work during a sync at all: the leader's process copies th
 NVLink (copy engines, no kernel on the member's side). Members only synchronise their streams
 before (their parameters are final) and wait on a CPU barrier after (the leader finished reading).
 
-Used (export.py, gather="auto") when every trainer rank runs on one host with CUDA, with one
-pipeline stage and ETP=1, and the leader can open every member's GPU (matched by device UUID);
-otherwise export.py keeps the NCCL gather. Multi-node jobs therefore use NCCL even for
-node-local EP groups (a per-group check would lift that). Handles are exchanged as
-JSON bytes over a gloo group (`ipc_handles.encode`).
+Used by the exporter (export.py, gather="auto", through PeerExperts) when every trainer rank
+runs on one host with CUDA, with one pipeline stage and ETP=1, and the leader can open every
+member's GPU (matched by device UUID); otherwise the exporter keeps the NCCL gather. Multi-node
+jobs therefore use NCCL even for node-local EP groups (a per-group check would lift that).
+Handles are exchanged as typed JSON over a gloo group (ipc_handles.encode,
+collectives.all_gather_json).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
-import zlib
 
 import torch
 import torch.distributed as dist
 
 from . import cuda_copy, ipc_handles
+from .collectives import FlagRound, all_gather_json, expert_group, same_host_cuda
+from .params import ParamIndex
+from .plan import BucketPlan
 
 logger = logging.getLogger(__name__)
 
@@ -38,33 +39,77 @@ def _uuid(index: int) -> str:
     return str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
 
 
-def _all_gather_bytes(payload: bytes, group) -> list[bytes]:
-    """Every rank's bytes (gloo, CPU tensors; no pickle)."""
-    n = dist.get_world_size(group)
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    if payload:
-        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    outs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(n)]
-    dist.all_gather(outs, buf, group=group)
-    return [bytes(o[: int(s.item())].numpy()) for o, s in zip(outs, sizes)]
+class PeerExperts:
+    """The exporter's side of the intra-node gather: whether it is used (decided once, a
+    collective), the PeerExpertGather of the current plan (`active`, published again when the
+    plan was rebuilt), and the per-sync steps around it."""
 
+    def __init__(self, gather: str, flags: FlagRound):
+        self.gather = gather  # "auto" | "nccl" | "ipc"
+        self.flags = flags
+        self.ok: bool | None = None  # decided once (collective)
+        self.active: PeerExpertGather | None = None
+        self._pos = None  # (plan, index, bucket -> positions of its experts in the ParamIndex order)
 
-def same_host_cuda(group) -> bool:
-    """True when every rank of `group` (a gloo group) runs on this host with CUDA tensors."""
-    if not torch.cuda.is_available():
-        ok = 0
-    else:
-        ok = 1
-    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
-    t = torch.tensor([[ok, host]], dtype=torch.int64)
-    outs = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(outs, t, group=group)
-    rows = torch.cat(outs)
-    return bool(rows[:, 0].all().item()) and len(set(rows[:, 1].tolist())) == 1
+    def before_sync(self) -> None:
+        """Every rank, before the sync's flag round: the leader may read our experts right away."""
+        if self.active is not None:
+            torch.cuda.current_stream().synchronize()
+
+    def prepare(self, plan: BucketPlan, index: ParamIndex, rebuilt: bool) -> None:
+        """Collective: decide once whether the gather can be used; publish the experts of a new plan."""
+        if self.ok is None:
+            self.ok = self._possible(plan)
+        if self.ok and (rebuilt or self.active is None):
+            self._publish(plan, index)
+
+    def moved(self, plan: BucketPlan, index: ParamIndex, ts: list[torch.Tensor]) -> bool:
+        """After the last bucket, on a member: did one of its experts move since it published them?"""
+        peer = self.active
+        return peer is not None and dist.get_rank() != peer.leader and peer.stale(self._local(plan, index, ts))
+
+    def done(self) -> None:
+        """After the last bucket, the leader: its peer reads finished before any member moves on."""
+        if self.active is not None and dist.get_rank() == self.active.leader:
+            torch.cuda.current_stream().synchronize()
+
+    def _possible(self, plan: BucketPlan) -> bool:
+        """Collective, once: may the expert gather read other ranks' memory (same host, CUDA)?"""
+        experts = [b for b in plan.buckets if b.kind != "dense"]
+        if self.gather == "nccl" or len(plan.ep_members) <= 1 or not experts or len(plan.leaders) > 1:
+            ok = False
+        else:
+            self.flags.max(0)  # creates the gloo group everywhere
+            ok = all(b.experts.in_place for b in experts) and same_host_cuda(self.flags.group)
+        if self.gather == "ipc" and not ok:
+            raise RuntimeError("gather='ipc' needs one pipeline stage, ETP=1 and every expert rank on this "
+                               "host with CUDA")
+        return ok
+
+    def _local(self, plan: BucketPlan, index: ParamIndex, params: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+        """bucket index -> this rank's local experts in packing order ({} outside the gather).
+        `params`: this rank's tensors in ParamIndex order (a fresh lookup)."""
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_expert_data_parallel_rank() != 0:
+            return {}
+        pos = self._pos
+        if pos is None or pos[0] is not plan or pos[1] is not index:  # positions, per plan
+            at = index.pos
+            pos = self._pos = (plan, index, {
+                b.index: [at[(b.experts.vpp, p.local_name)] for p in b.experts.params]
+                for b in plan.buckets if b.kind != "dense"})
+        return {b: [params[i] for i in idx] for b, idx in pos[2].items()}
+
+    def _publish(self, plan: BucketPlan, index: ParamIndex) -> None:
+        from megatron.core import parallel_state as mpu
+
+        group = expert_group(mpu.get_expert_tensor_parallel_world_size())
+        peer = PeerExpertGather(self.flags.group, plan.leaders[0], dist.get_process_group_ranks(group))
+        if peer.publish(self._local(plan, index, index.lookup())):
+            self.active = peer
+        else:
+            self.active, self.ok = None, False
 
 
 class PeerExpertGather:
@@ -108,14 +153,13 @@ class PeerExpertGather:
                         mine["handles"].append(ipc_handles.encode(whole))
                     rows.append([stores[k], off, t.numel() * t.element_size()])
                 mine["buckets"][str(b)] = rows
-        everyone = _all_gather_bytes(json.dumps(mine).encode(), self.group)
+        everyone = all_gather_json(mine, self.group)
         ok = 1
         if self.rank == self.leader:
             self._runs = {}
             uuids = {_uuid(i): i for i in range(torch.cuda.device_count())}
             try:
-                for raw in everyone:
-                    info = json.loads(raw)
+                for info in everyone:
                     if info["rank"] not in self.members or not info["buckets"]:
                         continue
                     if info.get("uuid") not in uuids:

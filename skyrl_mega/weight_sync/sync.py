@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..rollout.errors import WeightSyncError
 from .base import BucketTransport
-from .export import bucket_tensors, get_exporter
-from .plan import DEFAULT_BUCKET_BYTES
+from .export import get_exporter
+from .plan import DEFAULT_BUCKET_BYTES, bucket_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _sync_once(ex, transport, version: int) -> dict | None:
     if stale:
         return None
     # every trainer rank learns whether the sync failed (a CPU collective: see flag_max)
-    failed = ex.flag_max(int(failure is not None))
+    failed = ex.flags.max(int(failure is not None))
     if failure is not None:
         if isinstance(failure, WeightSyncError):
             raise failure
