@@ -25,11 +25,6 @@ def _validate(cfg, nproc: int | None) -> int:
     from skyrl_mega.config import validate_config
 
     world = nproc or cfg.parallel.world_size or 1
-    if cfg.model.make_tiny_if_missing and cfg.model.path and not os.path.isdir(cfg.model.path):
-        from skyrl_mega.models.tiny import make_tiny
-
-        print(f"making tiny {cfg.model.family} model at {cfg.model.path}", flush=True)
-        make_tiny(cfg.model.family, cfg.model.path)
     validate_config(cfg, world, for_training=True, probe_engines=True)
     return world
 
@@ -82,10 +77,33 @@ def cmd_train(args) -> int:
     """One training job: validate here, then torchrun the ranks (a sweep would run jobs one after
     another, each owning every device and engine: sweep with `validate -m`, launch each)."""
     from skyrl_mega.config.loader import resolve_recipe
-    from skyrl_mega.launcher import run_torchrun
 
     recipe = resolve_recipe(args.recipe) if args.recipe else None
+    return _train(args, recipe, _load(recipe, args.overrides))
+
+
+def cmd_demo(args) -> int:
+    """`train` with the tiny_cpu recipe, after making the tiny random-weight model at model.path
+    when nothing is there (its family: the recipe's config group, e.g. qwen3_moe)."""
+    from skyrl_mega.config import ConfigError
+    from skyrl_mega.config.loader import recipe_group, resolve_recipe
+    from skyrl_mega.models.tiny import FAMILIES, make_tiny
+
+    recipe = resolve_recipe(args.recipe)
     cfg = _load(recipe, args.overrides)
+    if not args.cfg and cfg.model.path and not os.path.exists(cfg.model.path):
+        family = recipe_group(recipe)[1]
+        if family not in FAMILIES:
+            raise ConfigError(f"demo: recipe {recipe} is in config group {family!r}, which has no tiny model "
+                              f"(families: {sorted(FAMILIES)}); set model.path to a checkpoint")
+        print(f"making tiny {family} model at {cfg.model.path}", flush=True)
+        make_tiny(family, cfg.model.path)
+    return _train(args, recipe, cfg)
+
+
+def _train(args, recipe: str | None, cfg) -> int:
+    from skyrl_mega.launcher import run_torchrun
+
     if args.cfg:
         _print_cfg(cfg, args)
         return 0
@@ -133,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_convert)
 
     for name, fn, helptext in (("train", cmd_train, "launch training ranks with torchrun"),
-                               ("demo", cmd_train, "the tiny CPU demo (tiny_cpu recipe)"),
+                               ("demo", cmd_demo, "the tiny CPU demo (tiny_cpu recipe; makes its tiny model)"),
                                ("validate", cmd_validate, "check a recipe + overrides and exit")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--recipe", default=DEFAULT_RECIPE if name == "demo" else None)

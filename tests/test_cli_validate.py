@@ -2,6 +2,7 @@
 field is named in one message, exit 2, before torchrun or any engine starts."""
 
 import http.server
+import re
 import threading
 
 import pytest
@@ -17,6 +18,12 @@ NO_LAUNCH = ["--entry", "no_such_module_would_fail_if_launched"]
 def _problems(capsys):
     err = capsys.readouterr().err
     return err, [ln for ln in err.splitlines() if ln.strip()]
+
+
+def _count(err):
+    """How many problems the one message lists ("invalid config (N problems)"; 1 without a count)."""
+    m = re.search(r"invalid config \((\d+) problems\)", err)
+    return int(m.group(1)) if m else err.count("invalid config")
 
 
 def test_validate_names_bad_algorithm_names_and_cp_on_the_local_spec(tiny_qwen3_moe, capsys):
@@ -64,12 +71,12 @@ def test_every_field_is_checked_and_all_problems_come_in_one_message(tiny_qwen3_
                    *[f"{k}={v}" for k, v in BAD_FIELDS.items()],
                    "algorithm.reduction=seq_mean_token_sum_norm", "algorithm.use_reference=false",
                    "algorithm.ref_routing_replay=true", "+data.reward_by_source.math=nope2"])
-    err, lines = _problems(capsys)
+    err, _ = _problems(capsys)
     assert rc == 2
     missing = [k for k in BAD_FIELDS if k not in err]
     assert not missing, (missing, err)
     assert "algorithm.ref_routing_replay" in err and "data.reward_by_source.math='nope2'" in err
-    assert len(lines) > len(BAD_FIELDS)  # one problem per line, under one header line
+    assert _count(err) > len(BAD_FIELDS) and err.count("invalid config") == 1  # all of them, in one message
     assert "Traceback" not in err
 
 
@@ -79,8 +86,8 @@ def test_options_must_be_options_of_the_registered_function(tiny_qwen3_moe, caps
                    "+algorithm.policy_loss_kwargs.eps_low=0.1", "+algorithm.policy_loss_kwargs.eps_lo=0.1",
                    "+algorithm.advantage_kwargs.epsilon=1e-6", "+algorithm.advantage_kwargs.norm=true",
                    "+algorithm.off_policy_kwargs.cap=3.0", "+algorithm.off_policy_kwargs.capp=3.0"])
-    err, lines = _problems(capsys)
-    assert rc == 2 and len(lines) == 4, err  # header + the three misspelt options
+    err, _ = _problems(capsys)
+    assert rc == 2 and _count(err) == 3, err  # the three misspelt options, not the good ones
     assert "algorithm.policy_loss_kwargs.eps_lo:" in err and "algorithm.advantage_kwargs.norm:" in err
     assert "algorithm.off_policy_kwargs.capp:" in err
     assert cli.main(["validate", "--recipe", RECIPE, f"model.path={tiny_qwen3_moe}",
@@ -122,10 +129,9 @@ def test_external_engine_urls_must_be_well_formed_and_reachable(tiny_qwen3_moe, 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     rc = cli.main(["train", *base, f"rollout.external_urls=[{health_server},{dead},ftp://host:1,http://]",
                    *NO_LAUNCH])
-    err, lines = _problems(capsys)
-    assert rc == 2
-    unreachable = [ln for ln in lines if dead in ln]
-    assert len(unreachable) == 1 and "not reachable" in unreachable[0], err
+    err, _ = _problems(capsys)
+    assert rc == 2 and _count(err) == 3, err  # the dead engine and the two malformed URLs
+    assert err.count(dead) == 1 and f"the engine at {dead} is not reachable" in err
     assert "'ftp://host:1'" in err and "'http://'" in err
     assert health_server + " " not in err and f"{health_server}'" not in err  # the live one is fine
     assert cli.main(["validate", *base, f"rollout.external_urls=[{dead}]"]) == 2

@@ -12,9 +12,7 @@ from typing import List, Any, Dict, Optional
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # HF checkpoint directory (required)
-    family: str = "qwen3_moe"  # used by make-tiny when `make_tiny_if_missing`
-    make_tiny_if_missing: bool = False
+    path: Optional[str] = None  # HF checkpoint directory (required; `skyrl-mega demo` makes a tiny one)
     dtype: str = "float32"  # float32 | bfloat16
     spec: str = "auto"  # auto | te | local (auto: TE when transformer-engine is importable)
 
