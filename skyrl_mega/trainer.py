@@ -27,7 +27,8 @@ from .megatron.train_step import build_policy, build_reference, train_step
 
 
 def main(argv: list[str]) -> None:
-    recipe = argv[0] if argv and argv[0].endswith(".yaml") else None
+    # argv: [RECIPE] [Hydra overrides]; RECIPE is a path or <family>/<size> (no '=', no '~')
+    recipe = argv[0] if argv and "=" not in argv[0] and not argv[0].startswith("~") else None
     cfg = load_config(recipe, argv[1:] if recipe else argv)
     validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     rank, world = parallel.init_distributed()

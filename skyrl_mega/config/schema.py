@@ -1,7 +1,8 @@
-"""Typed config schema (Hydra structured configs).
+"""Typed config schema: Hydra's primary config `skyrl_mega` (stored in its ConfigStore by loader.py).
 
-In: recipe YAML + command-line overrides. Out: a validated `SkyrlConfig` dataclass tree.
-Unknown keys are rejected by OmegaConf's structured merge; semantic checks live in validate.py.
+In: recipe YAML + command-line overrides, composed over it by Hydra. Out: a `SkyrlConfig`
+dataclass tree. Unknown keys and wrong types are rejected by OmegaConf's structured merge;
+every value is checked by validate.py. Every field here has a reader (no dead settings).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     seed: int = 1234
-    micro_batch_size: int = 1
-    global_batch_size: int = 8
+    micro_batch_size: int = 1  # samples per micro-batch unless max_tokens_per_microbatch (packed) is set
     max_tokens_per_microbatch: Optional[int] = None  # dynamic batch size when set
     steps: int = 10
     packing: bool = True  # THD sequence packing (False: one padded row per sample)
