@@ -4,7 +4,7 @@
     python bench/weight_sync_bench.py --device cpu --size tiny --out /tmp/wsb  # gloo dry run
 
 Phase "nccl" (disaggregated): a Megatron trainer with EP=2 (torchrun, one rank per GPU) syncs
-to a standalone receiver (transformers model, receiver.py) on GPU1 through
+to a standalone receiver (transformers model, tests/support/receiver.py) on GPU1 through
 NcclBroadcastTransport: rank 0 packs buckets on GPU0 and broadcasts them over NVLink to GPU1
 while rank 1's experts are gathered toward rank 0 (the other direction of the link).
 Reported in the same run: the raw NCCL broadcast of one 4 GiB buffer (the ceiling), the
@@ -87,7 +87,7 @@ def save_gpu_timeline(prof, out_dir: str, name: str) -> None:
 def run_receiver(a) -> None:
     import torch
 
-    from skyrl_mega.weight_sync.receiver import WeightReceiver, load_model
+    from tests.support.receiver import WeightReceiver, load_model
 
     class BenchReceiver(WeightReceiver):
         def x_raw(self, nbytes: int, iters: int) -> dict:
@@ -158,7 +158,7 @@ def run_receiver(a) -> None:
             return rep
 
         def x_copy_mode(self, loop_min_bytes: int, use_graphs: bool = False, strided: bool = False) -> dict:
-            from skyrl_mega.weight_sync.protocol import CopyPlan
+            from tests.support.copy_plan import CopyPlan
 
             CopyPlan.loop_min_bytes = int(loop_min_bytes)
             CopyPlan.use_graphs = bool(use_graphs)

@@ -43,8 +43,10 @@ def run_trainer(a) -> None:
     from bridges import bridge_for
     from skyrl_mega.megatron import forward, parallel
     from skyrl_mega.rollout.errors import WeightSyncError
-    from skyrl_mega.weight_sync import ChannelClient, CudaIpcTransport, NcclBroadcastTransport, sync_weights
+    from skyrl_mega.weight_sync import CudaIpcTransport, NcclBroadcastTransport, sync_weights
     from skyrl_mega.weight_sync.export import get_exporter
+    from tests.support.channel_client import ChannelClient
+    from tests.support.faults import faulty  # the corrupted-bucket check
 
     rank, world = parallel.init_distributed()
     cuda = torch.cuda.is_available() and a.device == "cuda"
@@ -94,9 +96,9 @@ def run_trainer(a) -> None:
         client = ChannelClient(1, timeout_s=a.timeout)
         common = dict(receivers=[client], master_port=a.port, timeout_s=a.timeout, device=dev)
         if a.phase == "nccl":
-            transport = NcclBroadcastTransport(comm_backend="nccl" if cuda else "gloo", **common)
+            transport = faulty(NcclBroadcastTransport)(comm_backend="nccl" if cuda else "gloo", **common)
         else:
-            transport = CudaIpcTransport(zero_copy=cuda, **common)
+            transport = faulty(CudaIpcTransport)(zero_copy=cuda, **common)
 
     gloo = dist.new_group(backend="gloo") if world > 1 and dist.get_backend() != "gloo" else None
 

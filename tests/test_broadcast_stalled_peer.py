@@ -14,15 +14,16 @@ import time
 import pytest
 
 from skyrl_mega.rollout.errors import WeightSyncError
-from skyrl_mega.weight_sync.nccl import NcclBroadcastTransport
 from skyrl_mega.weight_sync.plan import BucketPlan, BucketSpec, TensorSlot
+from skyrl_mega.weight_sync.transports.clients import EngineClient
+from skyrl_mega.weight_sync.transports.nccl import NcclBroadcastTransport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = os.path.join(REPO, "tests", "workers", "stalled_peer.py")
 NBYTES = 16 << 20  # large enough that gloo completes a send only once the peer receives it
 
 
-class StalledServerClient:
+class StalledServerClient(EngineClient):
     """Control plane of one server whose API process dies during the update: start works,
     update fails after a moment; its worker (stalled_peer.py) stays in the group."""
 

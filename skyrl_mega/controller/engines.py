@@ -80,7 +80,7 @@ class RolloutEngines:
         if restarted and self.router is not None:
             self.router.stop()
             self.router = RouterProcess(self.servers.urls, log_dir=self.log_dir).start()
-        if restarted and hasattr(self.transport, "reset"):
+        if restarted:
             self.transport.reset()
         return restarted
 

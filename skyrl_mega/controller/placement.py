@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-TRANSPORTS = {
-    "shm": "skyrl_mega.rollout.cpu_transport:SharedMemoryTransport",
-    # packed buckets, skyrl_mega/weight_sync/: the engines run the vLLM weight-transfer backend
-    # "skyrl_bucket" (--weight-transfer-config '{"backend": "skyrl_bucket"}')
-    "nccl": "skyrl_mega.weight_sync.nccl:NcclBroadcastTransport",
-    "cuda_ipc": "skyrl_mega.weight_sync.cuda_ipc:CudaIpcTransport",
+TRANSPORTS = {  # skyrl_mega/weight_sync/transports/
+    "shm": "skyrl_mega.weight_sync.transports.shm:SharedMemoryTransport",
+    # the engines run the vLLM weight-transfer backend "skyrl_bucket"
+    # (--weight-transfer-config '{"backend": "skyrl_bucket"}')
+    "nccl": "skyrl_mega.weight_sync.transports.nccl:NcclBroadcastTransport",
+    "cuda_ipc": "skyrl_mega.weight_sync.transports.cuda_ipc:CudaIpcTransport",
 }
 
 

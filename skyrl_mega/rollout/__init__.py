@@ -1,13 +1,11 @@
 """Rollout: vLLM server processes, vllm-router, async HTTP client, control plane, R3 wire
-format, CPU weight transport, and the vLLM plugin that runs inside the engines.
+format, and the vLLM plugin that runs inside the engines (weight transports: skyrl_mega.weight_sync).
 
     servers.ServerManager / ServerConfig    start, watch, restart, stop vLLM servers
     router.RouterProcess                    vllm-router in front (data plane only)
     client.RolloutClient / SamplingParams   token ids in; tokens, logprobs, routes out
     control.EngineControl                   control calls to EVERY server directly
     r3_wire                                 routed-experts decode / layer map / encode
-    transport.WeightTransport               start(version) / send(bucket) / finish()
-    cpu_transport.SharedMemoryTransport     /dev/shm safetensors + in-place reload
     vllm_plugin                             register() + SkyrlWorkerExtension (engine side)
 
 Names are imported lazily: vLLM imports this package (for the plugin) in every process.
@@ -27,8 +25,6 @@ _EXPORTS = {
     "Generation": "client",
     "generate_sync": "client",
     "EngineControl": "control",
-    "WeightTransport": "transport",
-    "SharedMemoryTransport": "cpu_transport",
     "RolloutError": "errors",
     "RolloutConnectionError": "errors",
     "RolloutTimeoutError": "errors",

@@ -1,19 +1,20 @@
-"""Trainer -> engines weight sync: export HF-named tensors from Megatron, bucket, transport.
+"""Trainer -> engines weight sync, the orchestration: plan check -> fill buckets -> transport.
 
 In: the policy's bridge + model chunks (every rank calls: the export gathers TP/EP/PP shards
-with one coalesced collective per bucket, see export.py), a WeightTransport on rank 0 (None
-elsewhere) and a version number. Out: every engine serving the trainer's weights under that
-version, or WeightSyncError on every trainer rank (engines paused on their old version).
+with one coalesced collective per bucket), a WeightTransport on rank 0 (None elsewhere) and a
+version number. Out: every engine serving the trainer's weights under that version, or
+WeightSyncError on every trainer rank (engines paused on their old version).
 
-Transports:
-- BucketTransport (nccl.NcclBroadcastTransport, cuda_ipc.CudaIpcTransport): packed buckets
-  straight from the exporter's buffers; the plan (names, dtypes, shapes, offsets) goes to the
-  engines once per sync.
-- any other WeightTransport (the CPU SharedMemoryTransport): gets each bucket as (name, tensor)
-  views of the packed buffer through send().
-The bucket plan is built once and verified against every tensor on every sync, before the
-commit (export.BucketExporter); a sync that finds it stale is aborted and sent again on a
-rebuilt plan.
+One attempt, top to bottom (`_sync_once`):
+1. the plan, agreed by every rank in one CPU flag round (plan_check.py); built once per model
+   shape (planner.py), rebuilt only when a shape, a dtype or the wanted bucket order changed;
+2. rank 0's transport starts the update (transports/: engines paused);
+3. every rank walks the plan's buckets (export.py: gathers toward rank 0); rank 0 packs each
+   into the buffer its transport hands out (`acquire`) and sends it (`send_bucket`);
+4. after the last bucket every rank has swept its tensors against the plan: a change anywhere
+   aborts the update before its commit (the engines keep the old version) and the sync runs
+   once more on a rebuilt plan; otherwise the transport commits (`finish`);
+5. every rank learns whether rank 0's transport failed (one more flag round).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ import time
 import torch.distributed as dist
 
 from ..rollout.errors import WeightSyncError
-from .base import BucketTransport
 from .export import get_exporter
-from .plan import DEFAULT_BUCKET_BYTES, bucket_tensors
+from .plan import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
     `gather`: how expert shards reach rank 0 ("auto": CUDA IPC reads within a host, else NCCL).
 
     A sync during which some rank saw a parameter with another shape or dtype than the plan
-    (export.BucketExporter) is aborted before its commit (the engines keep the old version)
-    and sent once more on a rebuilt plan."""
+    is aborted before its commit (the engines keep the old version) and sent once more on a
+    rebuilt plan."""
     t0 = time.perf_counter()
     ex = get_exporter(bridge, models, bucket_bytes, gather)
     for attempt in range(2):
@@ -76,34 +76,32 @@ def sync_weights(bridge, models, transport, version: int, bucket_bytes: int = DE
     raise WeightSyncError(f"weight sync {version}: parameters changed shape or dtype while it ran, twice")
 
 
+def _attempt(fn, *args) -> BaseException | None:
+    """fn(*args); the exception it raised, if any (rank 0 keeps taking part in the collectives)."""
+    try:
+        fn(*args)
+    except BaseException as e:
+        return e
+    return None
+
+
 def _sync_once(ex, transport, version: int) -> dict | None:
     """One attempt (every rank). None: some rank saw a stale plan; nothing was committed."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    t0 = time.perf_counter()
-    plan = ex.plan(first=getattr(transport, "bucket_first", None) if rank == 0 else None)
-    t_plan = time.perf_counter() - t0
     sending = rank == 0 and transport is not None
-    bucketed = sending and isinstance(transport, BucketTransport)
-    layout = transport.layout if bucketed else "full"
-    failure: BaseException | None = None
-    if sending:
-        try:
-            transport.start(version, plan) if bucketed else transport.start(version)
-        except BaseException as e:
-            failure = e
-    acquire = transport.acquire if bucketed and failure is None else None
-    n = 0
+    # 1. the plan of this sync (every rank)
+    t0 = time.perf_counter()
+    plan = ex.plan(first=transport.bucket_first if sending else None)
+    t_plan = time.perf_counter() - t0
+    # 2. the update begins
+    failure = _attempt(transport.start, version, plan) if sending else None
+    # 3. buckets: filled by every rank, sent by rank 0 (after a failure it only keeps exporting)
+    acquire = transport.acquire if sending and failure is None else None
+    layout = transport.layout if sending else "full"
     for b, buf, direct in ex.iter_buckets(acquire=acquire, layout=layout, plan=plan):
-        if not sending or failure is not None:
-            continue  # keep taking part in the export collectives
-        try:
-            if bucketed:
-                transport.send_bucket(b, buf, direct)
-            else:
-                transport.send(bucket_tensors(b, buf, direct))
-            n += 1
-        except BaseException as e:
-            failure = e
+        if sending and failure is None:
+            failure = _attempt(transport.send_bucket, b, buf, direct)
+    # 4. commit, unless something failed or some rank saw a stale plan
     stale = ex.stale_seen  # agreed by every rank at the end of iter_buckets
     report = None
     if sending and failure is None and not stale:
@@ -118,7 +116,7 @@ def _sync_once(ex, transport, version: int) -> dict | None:
             logger.exception("abort after a failed weight sync")
     if stale:
         return None
-    # every trainer rank learns whether the sync failed (a CPU collective: see flag_max)
+    # 5. every trainer rank learns whether the sync failed (a CPU collective: see FlagRound)
     failed = ex.flags.max(int(failure is not None))
     if failure is not None:
         if isinstance(failure, WeightSyncError):
@@ -131,8 +129,7 @@ def _sync_once(ex, transport, version: int) -> dict | None:
            "weight_sync/buckets": float(len(plan.buckets)), "weight_sync/plan_rebuilds": float(ex.rebuilds)}
     out.update({f"weight_sync/{k}": v for k, v in ex.plan_timings.items()})
     if sending:
-        for k, v in getattr(transport, "timings", {}).items():
-            out[f"weight_sync/{k}"] = v
+        out.update({f"weight_sync/{k}": v for k, v in transport.timings.items()})
     if report is not None:
         transport.last_report = report
     return out

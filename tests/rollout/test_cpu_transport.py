@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from skyrl_mega.rollout.cpu_transport import SharedMemoryTransport
 from skyrl_mega.rollout.errors import WeightSyncError
+from skyrl_mega.weight_sync.transports.shm import SharedMemoryTransport
 
 
 class FakeControl:

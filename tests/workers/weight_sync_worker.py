@@ -16,16 +16,22 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-from safetensors.torch import save_file
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # tests.support
 
-from skyrl_mega.config import load_config, validate_config
-from skyrl_mega.megatron import forward, parallel
-from skyrl_mega.megatron.model import build_bridge, build_model
-from skyrl_mega.rollout.errors import WeightSyncError
-from skyrl_mega.weight_sync import (ChannelClient, CudaIpcTransport, NcclBroadcastTransport, export_hf_state_dict,
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from skyrl_mega.config import load_config, validate_config  # noqa: E402
+from skyrl_mega.megatron import forward, parallel  # noqa: E402
+from skyrl_mega.megatron.model import build_bridge, build_model  # noqa: E402
+from skyrl_mega.rollout.errors import WeightSyncError  # noqa: E402
+from skyrl_mega.weight_sync import (CudaIpcTransport, NcclBroadcastTransport, export_hf_state_dict,  # noqa: E402
                                    get_exporter, sync_weights)
+from tests.support.channel_client import ChannelClient  # noqa: E402
+from tests.support.faults import faulty  # noqa: E402
 
 BUCKET = 96 << 10  # small buckets: the tiny model spans many of them
 
@@ -58,9 +64,9 @@ def save_trainer_logits(models, out_dir, name):
 
 def start_receiver(port, model_dir, out_dir):
     return subprocess.Popen(
-        [sys.executable, "-m", "skyrl_mega.weight_sync.receiver", "--master-port", str(port),
+        [sys.executable, "-m", "tests.support.receiver", "--master-port", str(port),
          "--model", model_dir, "--out-dir", out_dir, "--timeout-s", "120"],
-        stdout=open(os.path.join(out_dir, "receiver.log"), "w"), stderr=subprocess.STDOUT)
+        stdout=open(os.path.join(out_dir, "receiver.log"), "w"), stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def stop(transport, rx_proc):
@@ -130,8 +136,8 @@ def main():
             port = free_port()
             rx_proc = start_receiver(port, kv["receiver_model"], out_dir)
             client = ChannelClient(1, timeout_s=120)
-            transport = NcclBroadcastTransport(receivers=[client], comm_backend="gloo", master_port=port,
-                                               verify=True, timeout_s=120)
+            transport = faulty(NcclBroadcastTransport)(receivers=[client], comm_backend="gloo", master_port=port,
+                                                       verify=True, timeout_s=120)
         try:
             m = sync_weights(bridge, models, transport, version=1, bucket_bytes=BUCKET)
             results["sync1"] = {k: v for k, v in m.items()}
@@ -140,7 +146,8 @@ def main():
                 results["report_v1"] = client.call("report")[0]
                 results["sender_digest_v1"] = transport.last_digest
             def failing_sync(hook, bucket, version, name):
-                """A sync with a test hook set on `bucket`; records the error and the receiver's report."""
+                """A sync with a fault (tests/support/faults.py) set on `bucket`; records the error and
+            the receiver's report."""
                 if rank == 0:
                     setattr(transport, hook, bucket)
                 expect_failure(lambda: sync_weights(bridge, models, transport, version=version,
@@ -187,8 +194,8 @@ def main():
             port = free_port()
             rx_proc = start_receiver(port, kv["receiver_model"], out_dir)
             client = ChannelClient(1, timeout_s=120)
-            ipc = CudaIpcTransport(receivers=[client], master_port=port, verify=True, timeout_s=120,
-                                   round_bytes=4 * BUCKET)  # several rounds
+            ipc = faulty(CudaIpcTransport)(receivers=[client], master_port=port, verify=True, timeout_s=120,
+                                           round_bytes=4 * BUCKET)  # several rounds
         try:
             m = sync_weights(bridge, models, ipc, version=11, bucket_bytes=BUCKET)
             if rank == 0:
@@ -223,8 +230,8 @@ def main():
             ctl = EngineControl(urls, timeout_s=120)
             client = ChannelClient(1, timeout_s=120)
             # one transfer group: trainer rank 0, the vLLM worker(s) and a standalone receiver
-            transport = NcclBroadcastTransport(ctl, receivers=[client], comm_backend="gloo", master_port=port,
-                                               verify=True, timeout_s=120)
+            transport = faulty(NcclBroadcastTransport)(ctl, receivers=[client], comm_backend="gloo",
+                                                       master_port=port, verify=True, timeout_s=120)
             results["version_before"] = ctl.weight_versions()
         try:
             # a sync that dies half-way first: engines paused, old version everywhere

@@ -7,15 +7,17 @@ model holding the trainer's weights, a committed weight version and a checksum d
 
 It answers the same four calls as a vLLM engine (init_weight_transfer_engine /
 start_weight_update / update_weights / finish_weight_update), in-process or, with `serve()`,
-over the TCPStore channel of `ChannelClient` (clients.py):
+over the TCPStore channel of `ChannelClient` (channel_client.py). A test and benchmark
+stand-in for an engine, run from the repository root:
 
-    python -m skyrl_mega.weight_sync.receiver --master-address H --master-port P --index 0 \
+    python -m tests.support.receiver --master-address H --master-port P --index 0 \
         --model DIR [--device cuda:1] [--dtype bfloat16]
 
 Data paths: "broadcast" (gloo/NCCL group, protocol.py): buckets land in two rotating buffers
-and are copied into the parameters (copies merged where source and destination ranges are
-back to back; one layer's experts become one copy per EP rank); "ipc": the trainer's buffers
-are opened through CUDA IPC handles (/dev/shm files on CPU) and copied the same way.
+and are copied into the parameters (copy_plan.py: copies merged where source and destination
+ranges are back to back; one layer's experts become one copy per EP rank); "ipc": the
+trainer's buffers are opened through their typed IPC handles (ipc_handles.py; /dev/shm files
+on CPU) and copied the same way.
 A failed or aborted update keeps the previous version (`consistent` turns False until the
 next good update); verification compares checksums of what landed in the parameters.
 """
@@ -32,11 +34,13 @@ from typing import Any
 
 import torch
 
-from ..rollout.errors import WeightSyncError
-from . import ipc_handles
-from .checksum import digest
-from .plan import TensorSlot, to_dtype
-from .protocol import Communicator, CopyPlan, ReceiveSink, receive_sync
+from skyrl_mega.rollout.errors import WeightSyncError
+from skyrl_mega.weight_sync import ipc_handles
+from skyrl_mega.weight_sync.checksum import digest
+from skyrl_mega.weight_sync.plan import TensorSlot, to_dtype
+from skyrl_mega.weight_sync.protocol import Communicator, ReceiveSink, receive_sync
+
+from .copy_plan import CopyPlan
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +270,7 @@ class WeightReceiver:
     # -- serving over the channel -----------------------------------------------------------------------
     def serve(self, master_address: str, master_port: int, index: int, timeout_s: float = 600.0,
               out_dir: str | None = None) -> None:
-        """Answers ChannelClient messages until "shutdown" (see clients.py for the message format)."""
+        """Answers ChannelClient messages until "shutdown" (see channel_client.py for the message format)."""
         import datetime
 
         import torch.distributed as dist

@@ -1,14 +1,14 @@
 """NCCL broadcast transport: trainer -> disaggregated engines (gloo on CPU, same code).
 
 Data path: Megatron shards --(one coalesced gather per bucket toward global rank 0; export.py)-->
-a packed uint8 bucket on rank 0's GPU (two rotating ~1 GiB buffers: bucket k+1 is packed while
-bucket k is on the wire) --NCCL broadcast in a process group of its own (rank 0 = trainer
-sender, ranks 1.. = every engine worker and standalone receiver; TCPStore rendezvous hosted
-by the trainer)--> a buffer on each receiver --> the engine's loader (vLLM: model.load_weights
-inside the layer-wise reload; receiver.py: merged copies into the parameters).
-Metadata (plan: names, dtypes, shapes, byte offsets) travels once per sync as JSON in
-update_weights (HTTP for vLLM servers, the TCPStore channel for standalone receivers); the
-data plane is protocol.py's header + buckets + trailer + status round. The engines are
+a packed uint8 bucket on rank 0's GPU (`acquire`: two rotating ~1 GiB slots, slot_pool.py:
+bucket k+1 is packed while bucket k is on the wire) --header + checksums (`_seal`), NCCL
+broadcast (`_ship`) in a process group of its own (rank 0 = trainer sender, ranks 1.. = every
+engine worker and other receiver; TCPStore rendezvous hosted by the trainer)--> a buffer on
+each receiver --> the engine's loader (vLLM: model.load_weights inside the layer-wise reload,
+vllm_engine.py). Metadata (plan: names, dtypes, shapes, byte offsets) travels once per sync as
+JSON in update_weights (HTTP for vLLM servers; clients.py); the data plane is protocol.py's
+header + buckets + trailer + status round. The engines are
 paused before and resumed after; finish_weight_update(version) sets the version they report.
 With comm_backend="gloo" the identical protocol runs on CPU (how the tests drive a real vLLM
 CPU server); only the communicator differs.
@@ -23,20 +23,20 @@ from typing import Any
 
 import torch
 
-from ..rollout.errors import WeightSyncError
-from .base import BucketTransport
-from .checksum import buffer_checksums, digest
-from .slot_pool import SlotPool
-from .plan import BucketPlan, BucketSpec
-from .protocol import (END, MAGIC, OK, PROTO, STATUS_ABORT, STATUS_DATA, Communicator, plan_key, version_id,
-                       write_header)
+from ...rollout.errors import WeightSyncError
+from ..checksum import buffer_checksums, digest
+from ..plan import BucketPlan, BucketSpec
+from ..protocol import (END, MAGIC, OK, PROTO, STATUS_ABORT, STATUS_DATA, Communicator, plan_key, version_id,
+                        write_header)
+from ..slot_pool import SlotPool
+from .transfer_api import WeightTransferTransport
 
 logger = logging.getLogger(__name__)
 
 STATUS_NAMES = {1: "checksum mismatch", 2: "load failed"}
 
 
-class NcclBroadcastTransport(BucketTransport):
+class NcclBroadcastTransport(WeightTransferTransport):
     """Packed buckets broadcast from trainer rank 0 to every engine worker (see module doc)."""
 
     layout = "full"
@@ -158,21 +158,19 @@ class NcclBroadcastTransport(BucketTransport):
             time.sleep(0.0005)
         work.wait()  # raises the operation's own error
 
-    def send_bucket(self, b: BucketSpec, buf: torch.Tensor, direct=()) -> None:
+    def _seal(self, b: BucketSpec, buf: torch.Tensor, direct) -> None:
+        """The bucket's header, and its checksums when verifying (before it is broadcast)."""
         if direct:
             raise WeightSyncError("the broadcast transport packs every tensor (layout 'full')")
         if b.index != self._next:
             raise WeightSyncError(f"bucket {b.index} sent out of order (expected {self._next})")
-        if self.fail_at_bucket is not None and b.index == self.fail_at_bucket:
-            raise WeightSyncError(f"injected failure before bucket {b.index}")
         self._check_receivers()
         buf[:64].view(torch.int64).copy_(self._headers[b.index])
         if self._cs is not None and b.tensors:
             first = b.tensors[0].index
             self._cs[first: first + len(b.tensors)] = buffer_checksums(buf, [(t.offset, t.nbytes) for t in b.tensors])
-        if self.corrupt_bucket is not None and b.index == self.corrupt_bucket and b.tensors:
-            o = b.tensors[0].offset
-            buf[o: o + 1].bitwise_xor_(0x5A)
+
+    def _ship(self, b: BucketSpec, buf: torch.Tensor, direct) -> None:
         self.pool.fence(self.comm.broadcast(buf, 0))
         self._next += 1
         if self._next == 1:  # on the CPU: when the first / last broadcast was enqueued
@@ -263,8 +261,7 @@ class NcclBroadcastTransport(BucketTransport):
         self.pool = None
         self._futs, self._sent_plan = [], None
         self._generation += 1
-        if self.http is not None:
-            self.http._sizes = None
+        self._forget_engines()
 
     def _close_retired(self) -> None:
         keep = []

@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from ..rollout.errors import WeightSyncError
-from . import ipc_handles
-from .base import BucketTransport
-from .checksum import buffer_checksums, digest, tensor_checksum
-from .plan import ALIGN, BucketPlan, BucketSpec, direct_view
+from ...rollout.errors import WeightSyncError
+from .. import ipc_handles
+from ..checksum import buffer_checksums, digest, tensor_checksum
+from ..plan import ALIGN, BucketPlan, BucketSpec, direct_view
+from .transfer_api import WeightTransferTransport
 
 logger = logging.getLogger(__name__)
 
 
-class CudaIpcTransport(BucketTransport):
+class CudaIpcTransport(WeightTransferTransport):
     """Co-located engines: IPC handles to parameter storage + one staging buffer (see module doc)."""
 
     def __init__(self, control=None, receivers=(), *, zero_copy: bool | None = None,
@@ -160,9 +160,8 @@ class CudaIpcTransport(BucketTransport):
             loc = self._locs[key] = (whole.data_ptr(), off, whole)
         return loc
 
-    def send_bucket(self, b: BucketSpec, buf: torch.Tensor | None, direct=()) -> None:
-        if self.fail_at_bucket is not None and b.index == self.fail_at_bucket:
-            raise WeightSyncError(f"injected failure before bucket {b.index}")
+    def _seal(self, b: BucketSpec, buf: torch.Tensor | None, direct) -> None:
+        """The bucket joins the round being assembled, with its checksums when verifying."""
         if b.index != self._next:
             raise WeightSyncError(f"bucket {b.index} sent out of order (expected {self._next})")
         base = self._base if buf is not None else 0
@@ -176,9 +175,9 @@ class CudaIpcTransport(BucketTransport):
             for p, slots in direct:
                 for t, intra in slots:
                     self._sums.append(tensor_checksum(direct_view(p, t, intra))[None])
-        if self.corrupt_bucket is not None and b.index == self.corrupt_bucket and packed:
-            o = base + (packed[0].offset if self.layout == "full" else packed[0].ipc_offset)
-            self._staging[o: o + 1].bitwise_xor_(0x5A)
+
+    def _ship(self, b: BucketSpec, buf: torch.Tensor | None, direct) -> None:
+        """The round goes out when it is full, where the expert buckets end, or at the last bucket."""
         self._next += 1
         self._acc += b.nbytes
         self._check_inflight()
@@ -306,8 +305,7 @@ class CudaIpcTransport(BucketTransport):
         """An engine was restarted: tell every engine the mode again and resend full layouts."""
         self._inited = False
         self._layouts, self._layout_plan, self._inflight = {}, None, []
-        if self.http is not None:
-            self.http._sizes = None
+        self._forget_engines()
 
     def close(self) -> None:
         super().close()

@@ -1,71 +1,66 @@
-"""BucketTransport: the trainer side of a packed-bucket weight transport (NCCL / gloo / CUDA IPC).
+"""WeightTransferTransport: the shared part of the transports that drive vLLM's weight-transfer API.
 
-Extends rollout.transport.WeightTransport with the calls sync_weights() uses:
+NcclBroadcastTransport and CudaIpcTransport both talk to their receivers through the four
+calls of vLLM's native weight-transfer API (init_weight_transfer_engine /
+start_weight_update / update_weights / finish_weight_update), fanned out over clients
+(clients.py): the vLLM servers behind `control` (an EngineControl) and/or other receivers
+(`receivers=[...]`, EngineClient instances). This class holds what they share: the clients,
+the trainer's TCPStore (rendezvous of the transfer group; clients that talk through it get a
+connection of their own), pausing, the commit (finish_weight_update(version) everywhere,
+version check, prefix-cache reset, resume) and leaving the engines paused after a failure.
 
-    transport.start(version, plan)          pause engines, begin the update (plan: BucketPlan)
-    buf = transport.acquire(bucket, n)      the exporter packs bucket `bucket` into `buf`
-    transport.send_bucket(bucket, buf, direct)
-    report = transport.finish()             verify, commit `version` everywhere, resume
-    transport.abort()                       after a failure: engines stay paused on their old version
-
-Receivers: the vLLM servers behind `control` (an EngineControl; HTTP endpoints of vLLM's
-native weight-transfer API) and/or standalone receivers (`receivers=[ChannelClient(n)]`).
-Test hooks: `fail_at_bucket` raises before that bucket is sent; `corrupt_bucket` flips a
-byte of that bucket after its checksums were taken (verification must catch it).
+send_bucket(bucket, buf, direct) = `_seal` (what the receivers will check the bucket against:
+order, header, checksums) then `_ship` (the bytes leave: a broadcast, or a place in the next
+IPC round).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
-from ..devices import current_device
-from ..ports import free_port
-
-from ..rollout.control import PAUSE_MODES, EngineControl
-from ..rollout.errors import WeightSyncError
-from ..rollout.transport import NamedTensors, WeightTransport
-from .clients import ChannelClient, HttpEngineClient
+from ...devices import current_device
+from ...ports import free_port
+from ...rollout.control import PAUSE_MODES, EngineControl
+from ...rollout.errors import WeightSyncError
+from ..plan import BucketSpec
+from .base import WeightTransport
+from .clients import EngineClient, HttpEngineClient
 
 logger = logging.getLogger(__name__)
 
 
-class BucketTransport(WeightTransport):
-    layout = "full"
-
-    def __init__(self, control: EngineControl | None = None, receivers=(), *, pause_mode: str = "keep",
-                 kv_after_update: str = "recompute", verify: bool = False, timeout_s: float = 600.0,
-                 device: torch.device | str | None = None, master_address: str | None = None,
-                 master_port: int | None = None):
+class WeightTransferTransport(WeightTransport):
+    def __init__(self, control: EngineControl | None = None, receivers: tuple[EngineClient, ...] | list = (), *,
+                 pause_mode: str = "keep", kv_after_update: str = "recompute", verify: bool = False,
+                 timeout_s: float = 600.0, device: torch.device | str | None = None,
+                 master_address: str | None = None, master_port: int | None = None):
+        super().__init__()
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if kv_after_update not in ("recompute", "keep"):
             raise ValueError(f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}")
         self.control = control
-        self.clients: list = ([HttpEngineClient(control, timeout_s)] if control is not None else []) + list(receivers)
+        self.clients: list[EngineClient] = (
+            ([HttpEngineClient(control, timeout_s)] if control is not None else []) + list(receivers))
         if not self.clients:
             raise ValueError("a weight transport needs engines (control) or receivers")
         self.pause_mode = pause_mode
         self.kv_after_update = kv_after_update
         self.verify = verify
         self.timeout_s = timeout_s
-        self.device = torch.device(device) if device is not None else (
-            current_device())
+        self.device = torch.device(device) if device is not None else current_device()
         self.master_address = master_address or "127.0.0.1"
         self.master_port = master_port
         self.store = None
-        self.fail_at_bucket: int | None = None
-        self.corrupt_bucket: int | None = None
         self._version = None
         self._plan = None
         self._paused = False
         self._touched = False  # engines may hold part of the new weights
-        self.timings: dict[str, float] = {}
-        self.last_report: Any = None
 
     # -- helpers ------------------------------------------------------------------------------------
     @property
@@ -74,19 +69,20 @@ class BucketTransport(WeightTransport):
 
     def _open_store(self):
         if self.store is None:
-            import datetime
-
             import torch.distributed as dist
 
             self.master_port = self.master_port or free_port("")
+            timeout = datetime.timedelta(seconds=self.timeout_s)
             self.store = dist.TCPStore(self.master_address, int(self.master_port), None, True,
-                                       timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
+                                       timeout=timeout, wait_for_workers=False)
+
+            def connect():
+                # a connection of its own: a blocking wait of the process-group rendezvous
+                # on the master connection would otherwise hold the messages back
+                return dist.TCPStore(self.master_address, int(self.master_port), None, False, timeout=timeout)
+
             for c in self.clients:
-                if isinstance(c, ChannelClient):
-                    # a connection of its own: a blocking wait of the process-group rendezvous
-                    # on the master connection would otherwise hold the messages back
-                    c.bind(dist.TCPStore(self.master_address, int(self.master_port), None, False,
-                                         timeout=datetime.timedelta(seconds=self.timeout_s)))
+                c.bind(connect)
         return self.store
 
     def _fanout(self, fn, *args) -> list:
@@ -146,15 +142,27 @@ class BucketTransport(WeightTransport):
             self.control.resume()  # nothing reached them: resume on the old weights
             self._paused = False
 
+    def _forget_engines(self) -> None:
+        """reset() of both transports: every client forgets what it learnt about its engines."""
+        for c in self.clients:
+            c.reset()
+
     # -- WeightTransport ------------------------------------------------------------------------------
-    def send(self, named_tensors: NamedTensors) -> None:
-        raise NotImplementedError(f"{type(self).__name__} sends packed buckets: use "
-                                  "skyrl_mega.weight_sync.sync_weights()")
+    def send_bucket(self, bucket: BucketSpec, buf: torch.Tensor | None, direct=()) -> None:
+        self._seal(bucket, buf, direct)
+        self._ship(bucket, buf, direct)
+
+    def _seal(self, bucket: BucketSpec, buf: torch.Tensor | None, direct) -> None:
+        """Everything the receivers check this bucket against (before its bytes leave)."""
+        raise NotImplementedError
+
+    def _ship(self, bucket: BucketSpec, buf: torch.Tensor | None, direct) -> None:
+        """The bucket's bytes leave."""
+        raise NotImplementedError
 
     def close(self) -> None:
         for c in self.clients:
-            if isinstance(c, ChannelClient) and c.store is not None:
-                try:
-                    c.shutdown()
-                except Exception:
-                    pass
+            try:
+                c.close()
+            except Exception:
+                pass

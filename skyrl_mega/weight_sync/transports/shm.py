@@ -1,7 +1,8 @@
 """CPU weight transport: safetensors in shared memory, reloaded in place by every engine.
 
-Data path: trainer tensors -> one safetensors file per bucket under /dev/shm (RAM, no disk)
--> POST /collective_rpc "skyrl_load_weights" to every server (directly, not via the router)
+Data path: the exporter's packed bucket (`acquire`: one reused buffer) -> its HF-named
+tensors (plan.bucket_tensors) -> one safetensors file per bucket under /dev/shm (RAM, no
+disk) -> POST /collective_rpc "skyrl_load_weights" to every server (directly, not via the router)
 -> each vLLM worker mmaps the files and runs vLLM's layer-wise in-place reload, with the
 CPU MoE repacking fix of vllm_plugin -> the workers report the version -> the transport
 sets the engines' weight version (/update_weight_version, read back by /weight_info),
@@ -13,22 +14,33 @@ after the update; "wait" lets them finish first; "abort" aborts them. With
 reset_running_requests=True: frozen requests are preempted and recompute their KV with
 the new weights on resume, and no request can hit KV computed by the old weights.
 With "keep" the reset is only attempted (it fails while frozen requests hold blocks).
+
+Besides the WeightTransport calls, `send(named_tensors)` ships any (name, tensor) bucket
+(`with transport.update(version) as send: send(bucket) ...` around it) without a plan.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterable, Iterator, Tuple
 
-from .control import PAUSE_MODES, EngineControl
-from .errors import WeightSyncError
-from .transport import NamedTensors, WeightTransport
+import torch
+
+from ...devices import current_device
+from ...rollout.control import PAUSE_MODES, EngineControl
+from ...rollout.errors import WeightSyncError
+from ..plan import BucketPlan, BucketSpec, bucket_tensors
+from ..slot_pool import SlotPool
+from .base import WeightTransport
+
+NamedTensors = Iterable[Tuple[str, Any]]  # (HF parameter name, torch.Tensor)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +63,9 @@ class SharedMemoryTransport(WeightTransport):
         pause_mode: str = "keep",
         kv_after_update: str = "recompute",
         load_timeout_s: float = 600.0,
+        device: torch.device | str | None = None,
     ):
+        super().__init__()
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if kv_after_update not in ("recompute", "keep"):
@@ -68,13 +82,15 @@ class SharedMemoryTransport(WeightTransport):
         self._names: set[str] = set()
         self._version: int | str | None = None
         self._bytes = 0
-        self.timings: dict[str, float] = {}
+        self.device = torch.device(device) if device is not None else current_device()
+        self._pool: SlotPool | None = None  # the exporter packs each bucket here (one at a time)
 
     @property
     def active(self) -> bool:
         return self._dir is not None
 
-    def start(self, version: int | str) -> None:
+    def start(self, version: int | str, plan: BucketPlan | None = None) -> None:
+        """Begins update `version` (the plan is not needed: every file names its tensors)."""
         if self.active:
             raise WeightSyncError(f"weight update {self._version} is still in progress")
         self._dir = tempfile.mkdtemp(prefix=f"skyrl_mega_w{version}_", dir=self.shm_root)
@@ -90,7 +106,17 @@ class SharedMemoryTransport(WeightTransport):
             raise
         self.timings["pause_s"] = time.perf_counter() - t0
 
+    def acquire(self, bucket: BucketSpec, nbytes: int) -> torch.Tensor:
+        """One buffer, reused: send_bucket writes its file before the next bucket is packed."""
+        if self._pool is None:
+            self._pool = SlotPool(self.device, n=1)
+        return self._pool.acquire(nbytes)
+
+    def send_bucket(self, bucket: BucketSpec, buf: torch.Tensor | None, direct=()) -> None:
+        self.send(bucket_tensors(bucket, buf, direct, self.layout))
+
     def send(self, named_tensors: NamedTensors) -> None:
+        """Writes one bucket of HF-named tensors to its own safetensors file."""
         if not self.active:
             raise WeightSyncError("send() before start()")
         from safetensors.torch import save_file
@@ -162,12 +188,25 @@ class SharedMemoryTransport(WeightTransport):
         if was_active:
             self.control.resume()
 
+    @contextlib.contextmanager
+    def update(self, version: int | str) -> Iterator:
+        """start(version); yields send; finish() on success (report in last_report), abort() on an exception."""
+        self.start(version)
+        try:
+            yield self.send
+        except BaseException:
+            self.abort()
+            raise
+        self.last_report = self.finish()
+
     def _cleanup(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             _ACTIVE_DIRS.discard(self._dir)
         self._dir = None
         self._files = []
+        if self._pool is not None:
+            self._pool.release()  # the packing buffer is not kept between updates
 
     @property
     def bytes_sent(self) -> int:
