@@ -17,10 +17,10 @@ import pytest
 from skyrl_mega.rollout import r3_wire
 from skyrl_mega.rollout.client import RolloutClient, SamplingParams
 from skyrl_mega.rollout.control import EngineControl
-from skyrl_mega.rollout.cpu_transport import SharedMemoryTransport
 from skyrl_mega.rollout.errors import RolloutBadRequestError, RolloutConnectionError, RolloutError, RolloutTimeoutError
 from skyrl_mega.rollout.router import RouterProcess
 from skyrl_mega.rollout.servers import ServerConfig, ServerManager
+from skyrl_mega.weight_sync.transports.shm import SharedMemoryTransport
 
 from .hf_reference import HFReference, max_abs_diff, perturbed_checkpoint
 
