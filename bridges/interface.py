@@ -1,6 +1,7 @@
 """The thin bridge interface and its registry.
 
-In: an HF checkpoint directory (or config), dtype, and which layer spec to use.
+In: an HF checkpoint directory (or config), dtype, which layer spec to use (model.spec, see
+skyrl_mega/megatron/specs) and whether the MoE routers replay routes (R3).
 Out: Megatron model chunks (list, one per virtual pipeline stage) with HF weights loaded,
 and an iterator of (hf_name, tensor) for export, gathered over TP/EP/PP.
 """
@@ -12,24 +13,15 @@ from typing import Callable, Iterator
 
 import torch
 
+from skyrl_mega.compat.megatron_core import CPU_CONFIG
+from skyrl_mega.compat.transformers import fix_hf_config
+from skyrl_mega.megatron import specs
+from skyrl_mega.megatron.specs import te_available  # noqa: F401  (config/validate.py asks the bridges)
+
 _REGISTRY: dict[str, str] = {
     # model_type -> "module:Class"
     "qwen3_moe": "bridges.qwen3_moe:Qwen3MoeBridge",
 }
-
-CPU_CONFIG = dict(
-    use_cpu_initialization=True,
-    gradient_accumulation_fusion=False,
-    masked_softmax_fusion=False,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    apply_rope_fusion=False,
-    persist_layer_norm=False,
-    moe_permute_fusion=False,
-    moe_router_fusion=False,
-    moe_grouped_gemm=False,
-    attention_backend="local",
-)
 
 
 def register_bridge(model_type: str, target: str) -> None:
@@ -37,42 +29,34 @@ def register_bridge(model_type: str, target: str) -> None:
     _REGISTRY[model_type] = target
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-
-        return True
-    except Exception:
-        return False
-
-
-def _fix_hf_config(hf_config):
-    """transformers 5 keeps rope_theta inside rope_parameters; mbridge reads hf_config.rope_theta."""
-    if not hasattr(hf_config, "rope_theta") or hf_config.rope_theta is None:
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        hf_config.rope_theta = rope.get("rope_theta", 10000.0)
-    return hf_config
-
-
 class ModelBridge:
     """Build / load / export a Megatron model for one HF checkpoint."""
 
-    def __init__(self, hf_path: str, dtype: torch.dtype = torch.float32, spec: str = "auto", **config_overrides):
+    def __init__(self, hf_path: str, dtype: torch.dtype = torch.float32, spec: str = "auto",
+                 routing_replay: bool = False, **config_overrides):
+        """`spec`: the model.spec choice (specs.resolve_spec). `routing_replay` (or megatron's
+        `moe_enable_routing_replay=True` among the overrides, which means the same): build R3
+        routers. megatron's own flag then stays off in its config: it would register every router
+        in megatron's process-global RouterReplay list; the R3 router keeps its state per model."""
         from transformers import AutoConfig
 
         self.hf_path = hf_path
-        self.hf_config = _fix_hf_config(AutoConfig.from_pretrained(hf_path))
+        self.hf_config = fix_hf_config(AutoConfig.from_pretrained(hf_path))
         model_type = self.hf_config.model_type
         if model_type not in _REGISTRY:
             raise ValueError(f"no bridge for model_type {model_type!r}; registered: {sorted(_REGISTRY)}")
         module, cls = _REGISTRY[model_type].split(":")
         bridge_cls = getattr(importlib.import_module(module), cls)
-        self.use_te = te_available() if spec == "auto" else spec == "te"
-        bridge_cls.use_te = self.use_te
+        self.spec = specs.resolve_spec(spec)
+        self.use_te = self.spec == "te"
+        self.routing_replay = bool(config_overrides.pop("moe_enable_routing_replay", False) or routing_replay)
         self.impl = bridge_cls(self.hf_config, dtype=dtype)
+        self.impl.layer_spec_choice = self.spec
+        self.impl.family = model_type
+        self.impl.routing_replay = self.routing_replay
         overrides = {} if self.use_te or torch.cuda.is_available() else dict(CPU_CONFIG)
         if not self.use_te:
-            overrides.update(moe_grouped_gemm=False, attention_backend="local")
+            overrides.update(specs.LOCAL_CONFIG)
         overrides.update(config_overrides)
         self.impl.set_extra_args(**overrides)
         self.dtype = dtype
@@ -154,5 +138,6 @@ class ModelBridge:
             dist.barrier()
 
 
-def bridge_for(hf_path: str, dtype: torch.dtype = torch.float32, spec: str = "auto", **overrides) -> ModelBridge:
-    return ModelBridge(hf_path, dtype=dtype, spec=spec, **overrides)
+def bridge_for(hf_path: str, dtype: torch.dtype = torch.float32, spec: str = "auto",
+               routing_replay: bool = False, **overrides) -> ModelBridge:
+    return ModelBridge(hf_path, dtype=dtype, spec=spec, routing_replay=routing_replay, **overrides)

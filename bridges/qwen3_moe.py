@@ -1,13 +1,14 @@
 """Qwen3-MoE: HF <-> Megatron names (declarative) on top of mbridge's Qwen3-MoE bridge.
 
-Adds the dense-MLP layers (`mlp_only_layers`) and the local-spec names; the rest is mbridge's.
+Adds the dense-MLP layers (`mlp_only_layers`); skyrl's layer spec and the local-spec names come
+from compat.mbridge.LocalSpecMixin; the rest is mbridge's.
 """
 
 from __future__ import annotations
 
 from mbridge.models.qwen3moe import Qwen3MoEBridge
 
-from .local_spec import LocalSpecMixin
+from skyrl_mega.compat.mbridge import LocalSpecMixin
 
 L = "model.layers.{layer_number}"
 

@@ -1,15 +1,22 @@
-"""Each CPU compatibility patch, checked on two real gloo ranks in a fresh process."""
+"""The compat shims (skyrl_mega/compat): each CPU shim on two real gloo ranks in a fresh process,
+that each is needed here, that the guards decide what is applied, and the other shims' effects."""
 
 import json
 import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from skyrl_mega import compat
 from skyrl_mega.launcher import run_torchrun
 
 from .conftest import REPO
 
-pytestmark = pytest.mark.multiprocess
+CPU_SHIMS = ["cuda_stubs", "te_general_gemm", "gloo_all_to_all", "rng_tracker", "cuda_to_cpu_mode"]
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +26,14 @@ def probe(tmp_path_factory):
     return json.load(open(out))
 
 
+@pytest.mark.multiprocess
 def test_all_patches_applied_once(probe):
     assert sorted(probe["applied"]) == sorted(
         ["cuda_stubs", "te_general_gemm", "gloo_all_to_all", "rng_tracker", "cuda_to_cpu_mode"])
     assert probe["idempotent"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("check", [
     "current_device_is_cpu", "stream_event_ok",  # cuda_stubs
     "cuda_factory_on_cpu", "dot_cuda_identity", "float_type_reported_cuda", "to_cuda_stays_cpu",  # mode
@@ -35,3 +44,97 @@ def test_all_patches_applied_once(probe):
 ])
 def test_patch_behaviour(probe, check):
     assert probe[check] is True, check
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", CPU_SHIMS)
+def test_each_cpu_shim_is_needed_here(probe, name):
+    """Before the shims, megatron-core 0.16.1 / torch on CPU fail where each one helps."""
+    assert probe[f"needed_{name}"] is True, name
+
+
+@pytest.mark.multiprocess
+def test_guards_decide_what_is_applied(probe):
+    assert probe["applied_before"] == []  # importing compat applied nothing
+    assert probe["applied"] == probe["guard_says_needed"]
+    assert probe["recorded"] == [f"megatron_core.{n}" for n in probe["applied"]]
+
+
+def test_every_shim_is_listed_guarded_and_tested():
+    shims = compat.all_shims()
+    assert len({s.key for s in shims}) == len(shims)
+    for s in shims:
+        assert s.name in compat.__doc__, f"{s.key} is not listed in skyrl_mega/compat/__init__.py"
+        s.needed_on("0.0.1")  # a valid PEP 440 range
+        path, func = s.test.split("::")
+        text = open(os.path.join(REPO, path)).read()
+        assert re.search(rf"^def {func}\(", text, re.M), f"{s.key}: no test {s.test}"
+
+
+@pytest.mark.parametrize("shim, version, needed", [
+    ("te_general_gemm", "0.16.1", True), ("te_general_gemm", "0.17.0", False),
+    ("te_general_gemm", "0.19.2", False), ("gloo_all_to_all", "0.19.2", True),
+    ("rng_tracker", "0.19.2", True), ("cuda_stubs", "0.20.0rc0", True), ("adam_steps", "0.19.2", True),
+])
+def test_megatron_core_version_guards(shim, version, needed):
+    from skyrl_mega.compat.megatron_core import SHIMS_BY_NAME
+
+    assert SHIMS_BY_NAME[shim].needed_on(version) is needed
+
+
+def test_importing_compat_applies_nothing():
+    code = ("import torch, torch.distributed as d\n"
+            "device, a2a = torch.cuda.current_device, d.all_to_all_single\n"
+            "import skyrl_mega.compat as c\n"
+            "from skyrl_mega.compat import megatron_core, mbridge, transformers\n"
+            "c.all_shims()\n"
+            "print(c.applied() == [], torch.cuda.current_device is device, d.all_to_all_single is a2a,\n"
+            "      torch._C._is_torch_function_mode_enabled())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.split() == ["True", "True", "True", "False"]
+
+
+def test_rope_theta_from_rope_parameters():
+    from transformers import Qwen3MoeConfig
+
+    from skyrl_mega.compat.transformers import SHIMS, fix_hf_config
+
+    cfg = Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": 123456.0})
+    assert getattr(cfg, "rope_theta", None) is None  # transformers 5: only in rope_parameters
+    assert SHIMS[0].needed_here() and not SHIMS[0].needed_on("4.57.1")
+    assert fix_hf_config(cfg).rope_theta == 123456.0
+    assert "transformers.rope_theta" in compat.applied()
+
+
+def _wrapped(adam):
+    """The shapes megatron hands the shims: a chained optimizer of optimizers holding torch Adam."""
+    return SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adam)])
+
+
+def test_optimizer_state_shims():
+    from skyrl_mega.compat.megatron_core import SHIMS_BY_NAME, ensure_optimizer_state, restore_adam_steps
+
+    assert SHIMS_BY_NAME["optimizer_state"].needed_here()  # megatron-core 0.16.1, no TE / apex here
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    before = [p.detach().clone() for p in params]
+    adam = torch.optim.Adam(params, lr=0.1)
+    ensure_optimizer_state(_wrapped(adam))
+    # every parameter has Adam state with one step, and the zero-gradient step moved nothing
+    assert all(float(adam.state[p]["step"]) == 1.0 for p in params)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(p.grad is None or not p.grad.any() for p in params)
+    # a checkpoint's step lives in the param group; the per-parameter steps follow it, unshared
+    adam.param_groups[0]["step"] = 7
+    restore_adam_steps(_wrapped(adam))
+    steps = [adam.state[p]["step"] for p in params]
+    assert [float(s) for s in steps] == [7.0, 7.0] and steps[0] is not steps[1]
+    # the next step is Adam's 8th: from zero moments and a gradient of ones, each element moves
+    # by lr * m_hat / (sqrt(v_hat) + eps) with the step-8 bias corrections
+    for p in params:
+        p.grad = torch.ones_like(p)
+    adam.step()
+    m_hat, v_hat = 0.1 / (1 - 0.9 ** 8), 0.001 / (1 - 0.999 ** 8)
+    expected = 0.1 * m_hat / (v_hat ** 0.5 + 1e-8)
+    for p, b in zip(params, before):
+        assert torch.allclose(b - p.detach(), torch.full_like(b, expected), atol=1e-6)
+    assert {"megatron_core.optimizer_state", "megatron_core.adam_steps"} <= set(compat.applied())

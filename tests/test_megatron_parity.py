@@ -1,6 +1,7 @@
 """Megatron vs transformers, and layouts vs world size 1, on real torchrun gloo ranks.
 
-One torchrun per layout runs tests/workers/parity_worker.py (logits, HF export, 5 LM steps).
+One torchrun per layout runs tests/workers/parity_worker.py (logits, HF export, 5 LM steps,
+the layer spec's modules).
 """
 
 import json
@@ -76,3 +77,18 @@ def test_training_matches_world_size_one(runs, layout):
     assert moved > 1e-4
     for k in final_ref:
         assert (final[k] - final_ref[k]).abs().max().item() < 1e-5, k
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layer_spec_modules(runs, layout):
+    """The local spec's entries are built as modules of their own class (no class swapped after
+    the build), and an R3 build's routers hold per-model replay state, none in megatron's list."""
+    spec = json.load(open(runs[layout] / "spec.json"))
+    assert spec["core_attention"] == ["SdpaDotProductAttention"]
+    assert spec["norms"] == ["SequenceParallelRMSNorm"]
+    assert spec["routers"] == ["TopKRouter"] and spec["router_replay"] == ["NoneType"]
+    assert spec["r3"]["routers"] == ["R3TopKRouter"] and spec["r3"]["router_replay"] == ["R3RouterReplay"]
+    assert spec["r3"]["core_attention"] == ["SdpaDotProductAttention"]
+    assert spec["r3_global_instances_added"] == 0 and spec["r3_megatron_flag"] is False
+    assert {"mbridge.layer_spec", "mbridge.local_param_names", "transformers.rope_theta",
+            "megatron_core.cuda_stubs"} <= set(spec["applied"])

@@ -10,10 +10,10 @@ from skyrl_mega.megatron.logprobs import reference_logprobs, vocab_parallel_entr
 from skyrl_mega.megatron.packing import MicroBatchLayout
 from skyrl_mega.megatron.r3_replay import (
     R3Error,
+    R3RouterReplay,
     align_routes,
     microbatch_routes,
     padding_routes,
-    replay_router_class,
     route_positions,
 )
 
@@ -105,8 +105,9 @@ def test_microbatch_routes_cp_zigzag():
 def router():
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    rr = replay_router_class()()
-    RouterReplay.global_router_replay_instances.remove(rr)
+    before = list(RouterReplay.global_router_replay_instances)
+    rr = R3RouterReplay()
+    assert RouterReplay.global_router_replay_instances == before  # per-model state, not megatron's list
     return rr
 
 
@@ -152,6 +153,18 @@ def test_replay_router_without_action_routes_live(router):
     scores = torch.randn(5, E)
     _, idx = router.get_replay_topk(scores, K, None, None, _default_topk)
     assert torch.equal(idx, scores.topk(K, 1).indices)
+
+
+def test_replay_router_records_live_routes(router):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    scores = torch.randn(5, E)
+    router.set_router_replay_action(RouterReplayAction.RECORD)
+    probs, idx = router.get_replay_topk(scores, K, None, None, _default_topk)
+    assert torch.equal(idx, scores.topk(K, 1).indices) and torch.equal(probs, scores.topk(K, 1).values)
+    assert torch.equal(router.get_recorded_indices(), idx)
+    router.clear_indices()
+    assert router.get_recorded_indices() is None and router.replay_backward_list == []
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])

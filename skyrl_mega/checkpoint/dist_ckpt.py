@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ..compat import megatron_core as mcore_compat
+
 MANIFEST = "skyrl_complete.json"
 TRAINER_STATE = "trainer_state.json"
 OPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -176,36 +178,6 @@ def prune(root: str, keep_last: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _ensure_optimizer_state(optimizer) -> None:
-    """A fresh torch Adam has no per-param state and no 'step'; megatron's distributed optimizer
-    (without apex/TE) asserts on that when building the load request. Take one zero-gradient
-    inner step, as megatron itself does for its FSDP path; the loaded state then replaces it."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or len(inner.state) > 0:
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if p.numel():
-                    p.grad = torch.zeros_like(p)
-        inner.step()
-        inner.zero_grad()
-
-
-def _restore_adam_steps(optimizer) -> None:
-    """torch Adam keeps 'step' per parameter; megatron's checkpoint keeps it per param group and
-    (without apex/TE) leaves the per-parameter steps at their pre-load values. Copy it back so
-    bias correction after a resume equals the uninterrupted run's."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for group in getattr(inner, "param_groups", []):
-            if group.get("step") is None:
-                continue
-            for p in group["params"]:
-                if p in inner.state and "step" in inner.state[p]:
-                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
-
-
 def load_checkpoint(path: str, models, optimizer=None, scheduler=None) -> dict:
     """Collective. Restores weights, optimizer, scheduler and this rank's RNG; returns trainer state."""
     from megatron.core import dist_checkpointing
@@ -214,14 +186,14 @@ def load_checkpoint(path: str, models, optimizer=None, scheduler=None) -> dict:
     if why is not None:
         raise CheckpointError(f"{path} is not a usable checkpoint: {why}")
     if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
+        mcore_compat.ensure_optimizer_state(optimizer)
     loaded = dist_checkpointing.load(_sharded_state(models, optimizer, scheduler, is_loading=True), path)
     for i, m in enumerate(models):
         _unwrap(m).load_state_dict(loaded[f"model{i}" if len(models) > 1 else "model"])
     if optimizer is not None:
         with torch.no_grad():  # fp32 main params are views of the (leaf) model params
             optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(optimizer)
+        mcore_compat.restore_adam_steps(optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     rng_file = os.path.join(path, "rng", f"rank_{_rank():05d}.safetensors")

@@ -1,126 +1,92 @@
 """Packed-sequence (THD) attention for megatron-core's local (non-TE) layer spec.
 
-In:  model chunks built with the local spec (core attention = megatron's DotProductAttention).
-Out: the same modules, now accepting `packed_seq_params` (qkv_format='thd'), and computing
-     attention with torch SDPA (flash / memory-efficient kernels on GPU).
+In:  q/k/v from megatron's SelfAttention ([s, b, heads, dim], or [t, 1, heads, dim] / [t, heads,
+     dim] with `packed_seq_params`, qkv_format='thd').
+Out: the attention output ([s, b, hidden] / [t, 1, hidden]), computed with torch SDPA (flash /
+     memory-efficient kernels on GPU).
 
-Why: megatron-core 0.16.1's DotProductAttention asserts `packed_seq_params is None` (THD is a
-TEDotProductAttention feature). Everything else on the THD path already works without TE:
-the attention module squeezes q/k/v to [t, heads, dim] and applies RoPE per sequence from
-cu_seqlens_padded (megatron's unfused `_apply_rotary_pos_emb_thd`, positions restart at every
-sequence start), and the output is reshaped back to [t, 1, hidden]. So only the core attention
-changes: `SdpaDotProductAttention.forward` runs causal attention separately on each
-[cu_seqlens_padded[i], cu_seqlens_padded[i+1]) slice (a block-diagonal causal mask without
-materialising it). A sequence's padding sits after its real tokens, so no real token attends
-to padding, and padded THD equals running every sequence alone.
+`SdpaDotProductAttention` is the core-attention entry of skyrl's local layer spec
+(specs/local.py). Why: megatron-core's DotProductAttention asserts `packed_seq_params is None`
+(THD is a TEDotProductAttention feature; unchanged from 0.16.1 to 0.19). Everything else on the
+THD path already works without TE: the attention module squeezes q/k/v to [t, heads, dim] and
+applies RoPE per sequence from cu_seqlens_padded (megatron's unfused
+`_apply_rotary_pos_emb_thd`, positions restart at every sequence start), and the output is
+reshaped back to [t, 1, hidden]. So only the core attention changes: packed inputs run causal
+attention separately on each [cu_seqlens_padded[i], cu_seqlens_padded[i+1]) slice (a
+block-diagonal causal mask without materialising it). A sequence's padding sits after its real
+tokens, so no real token attends to padding, and padded THD equals running every sequence alone.
 
-`enable_packed_attention(models)` swaps the class of every DotProductAttention instance (a
-subclass adding no state; weights and buffers untouched). TEDotProductAttention handles THD
-itself and is left alone. Unpacked inputs (packed_seq_params None) also go through causal SDPA
-when `sdpa=True` (default), so that packed vs padded micro-batches use the same kernel; with an
-explicit attention mask, query-key layer scaling, a non-vanilla softmax, sliding windows or
-`sdpa=False`, unpacked inputs fall back to megatron's own implementation. Dropout uses SDPA's
-dropout (not megatron's RNG tracker fork): the tiny and Qwen3 configs have attention dropout 0.
+Unpacked inputs (packed_seq_params None) also go through causal SDPA, so that packed and padded
+micro-batches use the same kernel; with an explicit attention mask, query-key layer scaling, a
+non-vanilla softmax or sliding windows they fall back to megatron's own implementation. Dropout
+uses SDPA's dropout (not megatron's RNG tracker fork): the tiny and Qwen3 configs have attention
+dropout 0. The subclass adds no state: weights, buffers and checkpoint keys are megatron's.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
-def _base_class():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+class SdpaDotProductAttention(DotProductAttention):
+    """DotProductAttention that also takes THD packed sequences (see module docstring)."""
 
-    return DotProductAttention
+    def _sdpa_ok(self) -> bool:
+        cfg = self.config
+        return (
+            not cfg.apply_query_key_layer_scaling
+            and getattr(cfg, "softmax_type", "vanilla") == "vanilla"
+            and getattr(self.scale_mask_softmax, "window_size", None) is None
+        )
 
+    def _dropout_p(self) -> float:
+        return self.attention_dropout.p if self.training else 0.0
 
-_CLASS_CACHE: dict = {}
+    def _sdpa(self, q, k, v):
+        """q [B, np, s, hn], k/v [B, ng, s, hn] -> [B, np, s, hn], causal."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self._dropout_p(), scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
 
-
-def _sdpa_class():
-    if "cls" in _CLASS_CACHE:
-        return _CLASS_CACHE["cls"]
-    Base = _base_class()
-
-    class SdpaDotProductAttention(Base):
-        """DotProductAttention that also takes THD packed sequences (see module docstring)."""
-
-        _skyrl_sdpa_unpacked = True
-
-        def _sdpa_ok(self) -> bool:
-            cfg = self.config
-            return (
-                not cfg.apply_query_key_layer_scaling
-                and getattr(cfg, "softmax_type", "vanilla") == "vanilla"
-                and getattr(self.scale_mask_softmax, "window_size", None) is None
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            if attention_mask is not None or not self._sdpa_ok():
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias)
+            # [s, b, n, hn] -> [b, n, s, hn]
+            out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed attention supports qkv_format='thd', got {packed_seq_params.qkv_format!r}")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported with packed sequences")
+        if not self._sdpa_ok():
+            raise ValueError(
+                "packed sequences on the local spec need vanilla softmax attention without "
+                "query-key layer scaling or sliding windows; use the TE spec"
             )
-
-        def _dropout_p(self) -> float:
-            return self.attention_dropout.p if self.training else 0.0
-
-        def _sdpa(self, q, k, v):
-            """q [B, np, s, hn], k/v [B, ng, s, hn] -> [B, np, s, hn], causal."""
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self._dropout_p(), scale=self.softmax_scale,
-                enable_gqa=k.shape[1] != q.shape[1],
-            )
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            if packed_seq_params is None:
-                if attention_mask is not None or not self._skyrl_sdpa_unpacked or not self._sdpa_ok():
-                    return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                           attention_bias=attention_bias)
-                # [s, b, n, hn] -> [b, n, s, hn]
-                out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)))
-                s, b = query.shape[0], query.shape[1]
-                return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed attention supports qkv_format='thd', got {packed_seq_params.qkv_format!r}")
-            if attention_bias is not None:
-                raise ValueError("attention_bias is not supported with packed sequences")
-            if not self._sdpa_ok():
-                raise ValueError(
-                    "packed sequences on the local spec need vanilla softmax attention without "
-                    "query-key layer scaling or sliding windows; use the TE spec"
-                )
-            if self.config.context_parallel_size > 1:
-                raise ValueError("context parallelism with packed sequences needs the TE spec")
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            bounds = [int(x) for x in cu.tolist()]
-            t = query.shape[0]
-            if query.dim() == 4:  # [t, 1, n, hn] (not squeezed by the caller)
-                query, key, value = (x.squeeze(1) for x in (query, key, value))
-            if bounds[-1] != t:
-                raise ValueError(f"cu_seqlens end at {bounds[-1]} but the packed row has {t} tokens")
-            outs = []
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                if b == a:
-                    continue
-                # [L, n, hn] -> [1, n, L, hn]
-                q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))  # [L, np, hn]
-            out = torch.cat(outs, 0)
-            return out.reshape(t, 1, -1)
-
-    _CLASS_CACHE["cls"] = SdpaDotProductAttention
-    return SdpaDotProductAttention
-
-
-def enable_packed_attention(models, sdpa: bool = True) -> int:
-    """Lets every local-spec core attention in `models` take THD packed sequences (see module
-    docstring). `sdpa`: unpacked inputs use causal SDPA too. Returns the number of modules
-    changed (0 with the TE spec)."""
-    Base = _base_class()
-    cls = _sdpa_class()
-    changed = 0
-    for model in models:
-        for module in model.modules():
-            if type(module) is Base or type(module) is cls:
-                module.__class__ = cls
-                module._skyrl_sdpa_unpacked = sdpa
-                changed += 1
-    return changed
+        if self.config.context_parallel_size > 1:
+            raise ValueError("context parallelism with packed sequences needs the TE spec")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        bounds = [int(x) for x in cu.tolist()]
+        t = query.shape[0]
+        if query.dim() == 4:  # [t, 1, n, hn] (not squeezed by the caller)
+            query, key, value = (x.squeeze(1) for x in (query, key, value))
+        if bounds[-1] != t:
+            raise ValueError(f"cu_seqlens end at {bounds[-1]} but the packed row has {t} tokens")
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b == a:
+                continue
+            # [L, n, hn] -> [1, n, L, hn]
+            q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))  # [L, np, hn]
+        out = torch.cat(outs, 0)
+        return out.reshape(t, 1, -1)

@@ -20,8 +20,8 @@ logits at that position predict token t+1 (`next_token_labels`, `prediction_inde
 
 Attention on packed rows: with transformer-engine, megatron's TEDotProductAttention consumes
 `PackedSeqParams` (qkv_format='thd') directly. megatron-core's local DotProductAttention
-(0.16.1) asserts `packed_seq_params is None`; `attention.py` in this package swaps in a subclass
-that runs causal attention per packed sequence (torch SDPA), so the same PackedSeqParams path
+asserts `packed_seq_params is None`; skyrl's local spec builds `attention.py`'s subclass instead,
+which runs causal attention per packed sequence (torch SDPA), so the same PackedSeqParams path
 (including megatron's per-sequence THD RoPE, which restarts positions at every
 cu_seqlens_padded boundary) works on both stacks.
 

@@ -2,7 +2,8 @@
 
 In: the ParallelConfig and torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 Out: torch.distributed initialised (NCCL with CUDA, gloo without), megatron-core's
-TP/PP/CP/EP/ETP groups, and seeded RNG trackers. On CPU the compat layer is applied first.
+TP/PP/CP/EP/ETP groups, and seeded RNG trackers. Without CUDA megatron-core's CPU shims
+(skyrl_mega/compat/megatron_core.py) are applied first.
 """
 
 from __future__ import annotations
@@ -13,21 +14,20 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..compat import megatron_core as mcore_compat
 from ..ports import free_port
-from . import compat
 
 
 def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
     """Initialises the default process group from torchrun's env (or a 1-rank group)."""
-    if not compat.cuda_available():
-        compat.apply_cpu_compat()
+    mcore_compat.apply_cpu_shims()  # a no-op with CUDA
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    backend = "nccl" if compat.cuda_available() else "gloo"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))

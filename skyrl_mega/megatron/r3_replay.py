@@ -5,8 +5,8 @@ In:  per sample, routed experts aligned with its prompt+response tokens, int
      route), -1 marking a missing route (optionally a `valid` row mask, as
      `rollout.r3_wire.align_to_sequence` returns); the micro-batch layouts of `packing.py`.
 Out: for each micro-batch, this rank's routes [tokens_local, num_moe_layers, top_k] in the
-     exact token order its routers see, handed to megatron-core's RouterReplay instances of
-     this rank's MoE layers.
+     exact token order its routers see, handed to the R3RouterReplay of each of this rank's
+     MoE routers.
 
 Token order (`microbatch_routes`): the same placement as the tokens (packing, per-sequence
 padding), then the CP zig-zag selection, then the sequence-parallel slice of this TP rank
@@ -16,24 +16,26 @@ parallelism a rank holds only its stage's routers, so it only reads its columns.
 
 Padding positions get distinct valid expert ids ((pos*k + j) mod E over the row), so a
 top-k row never repeats an expert. Missing routes (-1; a row with any -1 counts as missing)
-fall back to the live router per token: `ReplayRouter` (a RouterReplay subclass swapped in
-on every router of the model) computes the live top-k alongside the replayed one and merges
-them row by row. megatron's own RouterReplay only replays (it would gather with index -1).
+fall back to the live router per token: `R3RouterReplay` computes the live top-k alongside the
+replayed one and merges them row by row (megatron's own RouterReplay only replays: it would
+gather with index -1).
 
 Actions: `R3Replay.session()` opens a replay window around one `run_microbatches` call. Each
 micro-batch sets its targets and REPLAY_FORWARD right before its forward
 (`set_microbatch`); an identity autograd node on every chunk's output switches the layers to
 REPLAY_BACKWARD when that micro-batch's backward starts, so activation recompute pops the
-same indices (megatron's replay_backward_list is FIFO, which matches 1F1B and
+same indices (replay_backward_list is FIFO, which matches 1F1B and
 all-forward-all-backward order). Leaving the session clears indices and actions.
 
-Several models in one process (policy + reference): megatron-core keeps every RouterReplay in
-the class-level list `RouterReplay.global_router_replay_instances`, in construction order, and
-its static helpers (set_replay_data ...) address all of them. This module never uses the
-global list: `R3Replay.attach(models, moe_layers)` finds the instances by walking that
-model's own routers, keys them by global layer number, and removes them from the global list.
-So build order does not matter, a reference model's routers are never driven by the policy's
-replay, and the reference model may be built with or without `moe_enable_routing_replay`.
+Where the replay state lives: a model built with `moe_enable_routing_replay=True` gets skyrl's
+R3 router in its layer spec (`specs.common.R3TopKRouter`, megatron's TopKRouter holding an
+R3RouterReplay; megatron's MoESubmodules.router slot takes it in 0.16.1 and 0.19), and megatron's
+own flag stays off in its config (bridges/interface.py). So no router joins megatron's
+process-global `RouterReplay.global_router_replay_instances` (which its static helpers address
+in construction order): `R3Replay.attach(models, moe_layers)` walks that model's own routers and
+keys their replay state by global layer number. Build order does not matter, a reference model's
+routers are never driven by the policy's replay, and the reference model may be built with or
+without routing replay.
 """
 
 from __future__ import annotations
@@ -145,50 +147,76 @@ def route_positions(layout: MicroBatchLayout, tp_size: int = 1, tp_rank: int = 0
 
 
 # ---------------------------------------------------------------------------- router side
-_CLS: dict = {}
+def _actions():
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    return RouterReplayAction
 
 
-def replay_router_class():
-    """RouterReplay subclass with per-token live fallback and optional capture (cached)."""
-    if "cls" in _CLS:
-        return _CLS["cls"]
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+class R3RouterReplay:
+    """One MoE router's replay state, owned by its model (not in megatron's process-global
+    `RouterReplay.global_router_replay_instances`). It speaks megatron's RouterReplay protocol:
+    the router calls `get_replay_topk` (moe_utils.topk_routing_with_score_function, 0.16.1 and
+    0.19) and the actions are megatron's RouterReplayAction. Added over megatron's: replayed rows
+    marked -1 are routed live, a token-count mismatch is an R3Error, and `capture` keeps the
+    top-k indices used by each forward. The R3 router (specs.common.R3TopKRouter) holds one."""
 
-    class ReplayRouter(RouterReplay):
-        """megatron RouterReplay + rows marked -1 routed live; `capture` keeps what was used."""
+    def __init__(self, layer: int = -1):
+        self.layer = layer  # global 0-based layer number (R3Replay.attach sets it)
+        self.layer_number = None  # megatron 0.19's Router.set_layer_number writes this
+        self.target_topk_idx = None
+        self.recorded_topk_idx = None
+        self.router_replay_action = None
+        self.replay_backward_list: list = []
+        self.capture: list | None = None
 
-        layer: int = -1  # global 0-based layer number
-        capture: list | None = None
+    def set_target_indices(self, topk_indices: Tensor) -> None:
+        self.target_topk_idx = topk_indices
+        self.replay_backward_list.append(topk_indices)
 
-        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-            action = self.router_replay_action
-            if action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
-                if action == RouterReplayAction.REPLAY_FORWARD:
-                    target = self.target_topk_idx
-                else:
-                    if not self.replay_backward_list:
-                        raise RuntimeError(f"R3: layer {self.layer}: recompute found no routes to replay")
-                    target = self.replay_backward_list.pop(0)
-                if target is None:
-                    raise RuntimeError(f"R3: layer {self.layer}: replay is on but no routes were set")
-                target = target.to(device=scores.device, dtype=torch.long)
-                if target.shape != (scores.shape[0], topk):
-                    raise R3Error(
-                        f"R3: layer {self.layer}: the router sees {scores.shape[0]} tokens x top-{topk} but "
-                        f"the replayed routes are {tuple(target.shape)} (packing / SP / CP split mismatch)"
-                    )
-                _, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                missing = (target < 0).any(-1, keepdim=True)
-                top_indices = torch.where(missing, live, target)
-                out = (scores.gather(1, top_indices), top_indices)
+    def get_recorded_indices(self) -> Tensor | None:
+        return self.recorded_topk_idx
+
+    def clear_indices(self) -> None:
+        self.recorded_topk_idx = None
+        self.target_topk_idx = None
+        self.replay_backward_list = []
+
+    def set_router_replay_action(self, action) -> None:
+        self.router_replay_action = action
+
+    def clear_router_replay_action(self) -> None:
+        self.router_replay_action = None
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        actions = _actions()
+        action = self.router_replay_action
+        if action in (actions.REPLAY_FORWARD, actions.REPLAY_BACKWARD):
+            if action == actions.REPLAY_FORWARD:
+                target = self.target_topk_idx
             else:
-                out = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-            if self.capture is not None:
-                self.capture.append(out[1].detach().clone())
-            return out
-
-    _CLS["cls"] = ReplayRouter
-    return ReplayRouter
+                if not self.replay_backward_list:
+                    raise RuntimeError(f"R3: layer {self.layer}: recompute found no routes to replay")
+                target = self.replay_backward_list.pop(0)
+            if target is None:
+                raise RuntimeError(f"R3: layer {self.layer}: replay is on but no routes were set")
+            target = target.to(device=scores.device, dtype=torch.long)
+            if target.shape != (scores.shape[0], topk):
+                raise R3Error(
+                    f"R3: layer {self.layer}: the router sees {scores.shape[0]} tokens x top-{topk} but "
+                    f"the replayed routes are {tuple(target.shape)} (packing / SP / CP split mismatch)"
+                )
+            _, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            missing = (target < 0).any(-1, keepdim=True)
+            top_indices = torch.where(missing, live, target)
+            out = (scores.gather(1, top_indices), top_indices)
+        else:
+            out = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if action == actions.RECORD:
+                self.recorded_topk_idx = out[1]
+        if self.capture is not None:
+            self.capture.append(out[1].detach().clone())
+        return out
 
 
 class _SwitchToReplayBackward(torch.autograd.Function):
@@ -207,10 +235,10 @@ class _SwitchToReplayBackward(torch.autograd.Function):
 
 
 class R3Replay:
-    """The RouterReplay instances of one model (all chunks on this rank), by global layer."""
+    """The R3RouterReplay instances of one model (all chunks on this rank), by global layer."""
 
     def __init__(self, routers: list, moe_layers: Sequence[int], models):
-        self.routers = routers  # ReplayRouter instances, ascending global layer
+        self.routers = routers  # R3RouterReplay instances, ascending global layer
         self.moe_layers = list(moe_layers)
         self.columns = [self.moe_layers.index(r.layer) for r in routers]
         self.active = False
@@ -219,12 +247,10 @@ class R3Replay:
     # ------------------------------------------------------------------ construction
     @classmethod
     def attach(cls, models, moe_layers: Sequence[int]) -> "R3Replay":
-        """Finds this model's routers (built with moe_enable_routing_replay=True), swaps in
-        ReplayRouter, detaches them from megatron's global instance list."""
+        """Finds this model's R3 routers (built with moe_enable_routing_replay=True, which puts
+        R3TopKRouter in the layer spec) and keys their replay state by global layer."""
         from megatron.core.transformer.moe.router import TopKRouter
-        from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        cls_ = replay_router_class()
         moe_layers = list(moe_layers)
         routers, missing_replay = [], []
         for model in models:
@@ -237,25 +263,19 @@ class R3Replay:
                 if layer not in moe_layers:
                     raise R3Error(f"R3: router of global layer {layer} is not in the MoE layers {moe_layers}")
                 rr = getattr(module, "router_replay", None)
-                if rr is None:
+                if not isinstance(rr, R3RouterReplay):
                     missing_replay.append(layer)
                     continue
-                rr.__class__ = cls_
                 rr.layer = layer
                 routers.append(rr)
         if missing_replay:
             raise R3Error(
-                f"R3: routers of layers {missing_replay} have no RouterReplay: build the model with "
-                "moe_enable_routing_replay=True (megatron-core >= 0.16)"
+                f"R3: routers of layers {missing_replay} have no R3 replay: build the model with "
+                "moe_enable_routing_replay=True (the bridge then builds the R3 router)"
             )
         layers = [r.layer for r in routers]
         if len(set(layers)) != len(layers):
             raise R3Error(f"R3: duplicate router layers {layers}")
-        global_list = RouterReplay.global_router_replay_instances
-        for r in routers:
-            for i in range(len(global_list) - 1, -1, -1):
-                if global_list[i] is r:
-                    del global_list[i]
         routers.sort(key=lambda r: r.layer)
         return cls(routers, moe_layers, models)
 

@@ -48,7 +48,6 @@ from torch import Tensor
 
 from ..algorithms import compute_policy_loss
 from . import forward as fwd
-from .attention import enable_packed_attention
 from .logprobs import vocab_parallel_logprobs
 from .packing import MicroBatchLayout, plan_microbatches
 from .batch import RLBatch  # noqa: F401  (re-exported: callers import it from here)
@@ -102,7 +101,6 @@ def build_policy(cfg, total_steps: Optional[int] = None) -> PolicyModel:
     bridge = build_bridge(cfg, **overrides)
     bridge, models = build_model(cfg, bridge=bridge)
     _check_layout(models)
-    enable_packed_attention(models)
     optimizer, scheduler = build_optimizer(models, cfg.optim, total_steps or cfg.train.steps, DTYPES[cfg.model.dtype])
     handle = R3Replay.attach(models, bridge.moe_layers) if replay else None
     return PolicyModel(cfg, bridge, models, optimizer, scheduler, handle)
@@ -126,7 +124,6 @@ def build_reference(cfg) -> ReferenceModel:
         m.eval()
         for p in m.parameters():
             p.requires_grad_(False)
-    enable_packed_attention(models)
     handle = R3Replay.attach(models, bridge.moe_layers) if replay else None
     return ReferenceModel(bridge, models, handle)
 

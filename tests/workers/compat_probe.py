@@ -1,4 +1,7 @@
-"""torchrun worker: checks each CPU compatibility patch on real gloo ranks; rank 0 writes JSON.
+"""torchrun worker: checks each megatron-core CPU shim on real gloo ranks; rank 0 writes JSON.
+
+First, before any shim: that megatron / torch fail here without each one (needed_*). Then the
+shims' behaviour after `apply_cpu_shims()`.
 
 Run: torchrun --nproc-per-node 2 tests/workers/compat_probe.py OUT.json
 """
@@ -10,14 +13,44 @@ import torch
 import torch.distributed as dist
 
 
+def _raises(fn) -> bool:
+    try:
+        fn()
+    except Exception:
+        return True
+    return False
+
+
+def needs_before_shims(results):
+    """Each CPU shim's failure without it, on the installed megatron-core and torch."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    results["needed_cuda_stubs"] = _raises(torch.cuda.current_device)
+    results["needed_cuda_to_cpu_mode"] = _raises(lambda: torch.zeros(1, device="cuda"))
+    results["needed_rng_tracker"] = _raises(lambda: mrandom.CudaRNGStatesTracker().add("probe", 7))
+    results["needed_te_general_gemm"] = not hasattr(moe_utils, "te_general_gemm")
+    # gloo with tensor split sizes, as megatron's EP dispatcher hands them on CPU
+    out = torch.empty(2 * dist.get_world_size())
+    splits = torch.full((dist.get_world_size(),), 2)
+    results["needed_gloo_all_to_all"] = _raises(
+        lambda: dist.all_to_all_single(out, torch.ones_like(out), splits, splits))
+
+
 def main():
-    from skyrl_mega.megatron import compat
+    from skyrl_mega import compat
+    from skyrl_mega.compat import megatron_core
 
     results = {}
     assert not torch.cuda.is_available()
-    applied = compat.apply_cpu_compat()
+    dist.init_process_group("gloo")
+    results["applied_before"] = compat.applied()
+    needs_before_shims(results)
+    applied = megatron_core.apply_cpu_shims()
     results["applied"] = list(applied)
-    results["idempotent"] = compat.apply_cpu_compat() == applied and len(set(applied)) == len(applied)
+    results["idempotent"] = megatron_core.apply_cpu_shims() == applied and len(set(applied)) == len(applied)
+    results["recorded"] = compat.applied()
+    results["guard_says_needed"] = [n for n in megatron_core.CPU_SHIMS if megatron_core.SHIMS_BY_NAME[n].needed_here()]
 
     # cuda_stubs
     results["current_device_is_cpu"] = torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
@@ -40,7 +73,6 @@ def main():
     results["te_general_gemm_none"] = moe_utils.te_general_gemm is None
 
     # gloo_all_to_all: tensor split sizes, uneven
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     send_counts = torch.tensor([1 + rank, 2 + rank])  # to rank 0, to rank 1
     inp = torch.cat([torch.full((int(c),), float(10 * rank + dst)) for dst, c in enumerate(send_counts)])

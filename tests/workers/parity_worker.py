@@ -2,8 +2,9 @@
 
 Run: torchrun --nproc-per-node N tests/workers/parity_worker.py OUT_DIR model.path=... parallel.tp=...
 Writes to OUT_DIR (rank 0): logits.safetensors (full-vocab logits of a fixed batch),
-export.safetensors (HF export of the loaded weights), losses.json (5 LM training steps) and
-final.safetensors (HF export after training).
+export.safetensors (HF export of the loaded weights), losses.json (5 LM training steps),
+final.safetensors (HF export after training) and spec.json (the module classes the layer spec
+built, also for an R3 build, and the compat shims applied).
 """
 
 import json
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 
 from skyrl_mega.config import load_config, validate_config
 from skyrl_mega.megatron import forward, parallel
-from skyrl_mega.megatron.model import build_model
+from skyrl_mega.megatron.model import build_bridge, build_model
 from skyrl_mega.megatron.optimizer import build_optimizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.workers.lm_step import lm_train_step  # noqa: E402
@@ -25,6 +26,22 @@ def fixed_batch(n_seq=4, seq=16, vocab=500, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n_seq, seq), generator=g)
     return ids
+
+
+def spec_report(models) -> dict:
+    """Class names of the modules in each spec slot (sorted sets; empty slots, IdentityOp, left
+    out), and of the routers' replay state."""
+    slots = {"core_attention": (".core_attention",), "norms": ("layernorm", "final_layernorm"),
+             "routers": (".router",)}
+    out = {k: set() for k in [*slots, "router_replay"]}
+    for model in models:
+        for name, module in model.named_modules():
+            for slot, suffixes in slots.items():
+                if name.endswith(suffixes) and type(module).__name__ != "IdentityOp":
+                    out[slot].add(type(module).__name__)
+            if name.endswith(".router"):
+                out["router_replay"].add(type(module.router_replay).__name__)
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def main():
@@ -73,6 +90,22 @@ def main():
         save_file(final, os.path.join(out_dir, "final.safetensors"))
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump(losses, f)
+
+    # 4) the layer spec: this model's modules, and an R3 build's (routers keep their own replay state)
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from skyrl_mega import compat
+
+    spec = spec_report(models)
+    before = len(RouterReplay.global_router_replay_instances)
+    r3_bridge = build_bridge(cfg, moe_enable_routing_replay=True)
+    spec["r3"] = spec_report(r3_bridge.build(load_weights=False))
+    spec["r3_global_instances_added"] = len(RouterReplay.global_router_replay_instances) - before
+    spec["r3_megatron_flag"] = bool(r3_bridge.config.moe_enable_routing_replay)
+    spec["applied"] = compat.applied()
+    if rank == 0:
+        with open(os.path.join(out_dir, "spec.json"), "w") as f:
+            json.dump(spec, f)
     parallel.destroy()
 
 

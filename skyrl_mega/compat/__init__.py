@@ -1,0 +1,67 @@
+"""Compatibility shims, one module per dependency; nothing here acts at import.
+
+In:  explicit calls (or a mixin) at the places named below. Out: the dependency behaves as skyrl
+     needs on the installed version; `applied()` lists what was applied in this process and
+     `all_shims()` every shim with its guard. A shim acts only where its version range (read
+     from the dependency's source, see each module) and its run-time condition hold.
+
+megatron_core.py (megatron-core; read 0.16.1 and 0.19), `apply_cpu_shims()` from
+parallel.init_distributed, without CUDA only:
+  cuda_stubs        torch.cuda device / stream / event / memory / RNG calls megatron makes
+                    unconditionally, answered on CPU                          >=0.16.1
+  te_general_gemm   moe_utils uses te_general_gemm undefined without TE (0.17 defines it
+                    as None itself)                                         >=0.16.1,<0.17
+  gloo_all_to_all   EP dispatch hands gloo tensor split sizes; gloo takes lists  >=0.16.1
+  rng_tracker       megatron's CUDA RNG tracker (and dist-ckpt's CUDA RNG state) kept as
+                    CPU generator states                                      >=0.16.1
+  cuda_to_cpu_mode  device="cuda" / .cuda() map to CPU; CPU float tensors report
+                    torch.cuda.FloatTensor for the optimizer's asserts       >=0.16.1
+  tests: tests/test_compat.py::test_patch_behaviour (each patch's behaviour on two gloo
+  ranks), ::test_each_cpu_shim_is_needed_here (megatron / torch fail without it),
+  ::test_guards_decide_what_is_applied
+checkpoint/dist_ckpt.load_checkpoint, only while megatron's distributed optimizer runs torch
+Adam (no TE / apex):
+  optimizer_state   `ensure_optimizer_state`: a fresh torch Adam gets state before megatron
+                    builds the load request (it asserts one 'step')          >=0.16.1
+  adam_steps        `restore_adam_steps`: per-parameter 'step' reset from the checkpoint's
+                    param-group step after the load                          >=0.16.1
+  tests: tests/test_compat.py::test_optimizer_state_shims; exact resume in
+  tests/test_checkpoint.py
+CPU_CONFIG: the megatron config overrides without CUDA (no fused kernels, CPU init).
+
+mbridge.py (mbridge; read 0.15.1), `LocalSpecMixin` mixed into each bridge (bridges/):
+  layer_spec        the bridge builds skyrl's layer spec (megatron/specs) instead of the TE
+                    spec mbridge hard-codes                                   >=0.15.1
+  local_param_names local-spec parameter names -> the TE names mbridge's HF mappings use
+                    (local spec only)                                         >=0.15.1
+  tests: tests/test_megatron_parity.py::test_layer_spec_modules,
+  ::test_hf_export_round_trip_is_bit_exact, ::test_logits_match_transformers
+
+transformers.py (transformers; read 5.24.0), `fix_hf_config(cfg)` in bridges.ModelBridge:
+  rope_theta        transformers 5 keeps rope_theta in rope_parameters; mbridge reads
+                    hf_config.rope_theta                                      >=5.0
+  test: tests/test_compat.py::test_rope_theta_from_rope_parameters
+
+vLLM patches still live in skyrl_mega/rollout/vllm_plugin.py; they will join as compat/vllm.py.
+
+Not shims (spec entries, chosen in megatron/specs): SdpaDotProductAttention (THD packed
+attention on the local spec, megatron/attention.py), SequenceParallelRMSNorm (norm.py) and the
+R3 router R3TopKRouter (specs/common.py, per-model replay state instead of megatron's
+process-global RouterReplay list).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .guard import Shim, applied, installed_version  # noqa: F401
+
+MODULES = ("megatron_core", "mbridge", "transformers")
+
+
+def all_shims() -> list[Shim]:
+    """Every shim of every compat module (importing them applies nothing)."""
+    out: list[Shim] = []
+    for name in MODULES:
+        out += list(importlib.import_module(f"{__name__}.{name}").SHIMS)
+    return out

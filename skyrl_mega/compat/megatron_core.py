@@ -1,0 +1,326 @@
+"""megatron-core shims: running on CPU (gloo), and the distributed optimizer's torch-Adam state.
+
+In:  nothing at import (no side effects). `apply_cpu_shims()` once per process before a model is
+     built; `ensure_optimizer_state(optimizer)` / `restore_adam_steps(optimizer)` around a
+     dist-ckpt optimizer load.
+Out: megatron-core runs forward / backward / optimizer / dist-ckpt on CPU with gloo, and a
+     resumed torch Adam continues with the uninterrupted run's bias correction. Each shim is
+     applied only where its guard holds (`SHIMS`: version range read from megatron-core's source,
+     plus its run-time condition) and recorded in `skyrl_mega.compat.applied()`.
+
+Version ranges were set from megatron-core 0.16.1 (installed here, identical to tag core_v0.16.1)
+and 0.19 (branch core_r0.19.0, what the GPU machines run); "needed >=0.16.1" means the code that
+makes it necessary is unchanged in 0.19.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .guard import Shim, mark_applied
+
+_READ = "0.16.1, 0.19 (core_r0.19.0)"
+_TEST = "tests/test_compat.py::"
+_NO_CUDA = "torch.cuda.is_available() is False"
+_TORCH_ADAM = "megatron's distributed optimizer uses torch Adam (distrib_optimizer.HAVE_APEX_OR_TE is False)"
+
+SHIMS = (
+    Shim("megatron_core", "cuda_stubs", "megatron-core", ">=0.16.1", _READ,
+         "torch.cuda.current_device (the CPU device) / synchronize / Stream / Event / memory / RNG "
+         "state that megatron calls unconditionally", _TEST + "test_patch_behaviour", _NO_CUDA),
+    Shim("megatron_core", "te_general_gemm", "megatron-core", ">=0.16.1,<0.17", _READ,
+         "moe_utils references te_general_gemm without defining it when transformer-engine is "
+         "absent (0.17 sets it to None itself)", _TEST + "test_patch_behaviour",
+         _NO_CUDA + " and moe_utils has no te_general_gemm"),
+    Shim("megatron_core", "gloo_all_to_all", "megatron-core", ">=0.16.1", _READ,
+         "the EP token dispatcher passes CPU tensors as all_to_all_single split sizes; gloo "
+         "takes only python lists", _TEST + "test_patch_behaviour", _NO_CUDA),
+    Shim("megatron_core", "rng_tracker", "megatron-core", ">=0.16.1", _READ,
+         "CudaRNGStatesTracker keeps CUDA generator states; on CPU it keeps CPU generator states "
+         "(also for dist-ckpt's saved 'cuda' RNG states)", _TEST + "test_patch_behaviour", _NO_CUDA),
+    Shim("megatron_core", "cuda_to_cpu_mode", "megatron-core", ">=0.16.1", _READ,
+         "device='cuda' / integer devices / .cuda() in megatron map to CPU, and CPU float tensors "
+         "report 'torch.cuda.FloatTensor' for the optimizer's type asserts",
+         _TEST + "test_patch_behaviour", _NO_CUDA),
+    Shim("megatron_core", "optimizer_state", "megatron-core", ">=0.16.1", _READ,
+         "a fresh torch Adam has no state; DistributedOptimizer.sharded_state_dict(is_loading) "
+         "asserts one 'step' across its states", "tests/test_compat.py::test_optimizer_state_shims",
+         _TORCH_ADAM),
+    Shim("megatron_core", "adam_steps", "megatron-core", ">=0.16.1", _READ,
+         "after a dist-ckpt load torch Adam's per-parameter 'step' is not the checkpoint's; it is "
+         "reset from the param group's step", "tests/test_compat.py::test_optimizer_state_shims",
+         _TORCH_ADAM),
+)
+SHIMS_BY_NAME = {s.name: s for s in SHIMS}
+# the CPU shims, in the order apply_cpu_shims applies them
+CPU_SHIMS = ("cuda_stubs", "te_general_gemm", "gloo_all_to_all", "rng_tracker", "cuda_to_cpu_mode")
+
+# megatron-core config for CPU: no fused kernels (they need CUDA, apex or TE) and CPU init
+CPU_CONFIG = dict(
+    use_cpu_initialization=True,
+    gradient_accumulation_fusion=False,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    moe_permute_fusion=False,
+    moe_router_fusion=False,
+    moe_grouped_gemm=False,
+    attention_backend="local",
+)
+
+_CPU_APPLIED: list[str] = []
+_MODE: "CudaToCpuMode | None" = None
+
+
+# --------------------------------------------------------------------------- rng_tracker
+@functools.lru_cache(maxsize=None)
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's named RNG states, kept as CPU generator states."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
+
+
+def _rng_tracker() -> bool:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker_cls = _cpu_tracker_class()
+    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, tracker_cls):
+        mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # dist-ckpt saves / restores "cuda" RNG states through these two
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    return True
+
+
+# --------------------------------------------------------------------------- cuda_stubs
+class _CpuStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _CpuEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _CpuEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _cuda_stubs() -> bool:
+    c = torch.cuda
+    # a device object, not 0: allocations such as `torch.empty(..., device=current_device())`
+    # also run in autograd's backward, where the TorchFunctionMode below is not active
+    c.current_device = lambda: torch.device("cpu")
+    c.synchronize = lambda *a, **k: None
+    c.Stream = _CpuStream
+    c.Event = _CpuEvent
+    c.current_stream = lambda *a, **k: _CpuStream()
+    c.default_stream = lambda *a, **k: _CpuStream()
+    c.stream = lambda s=None: contextlib.nullcontext()
+    c.set_device = lambda *a, **k: None
+    c.memory_allocated = lambda *a, **k: 0
+    c.max_memory_allocated = lambda *a, **k: 0
+    c.memory_reserved = lambda *a, **k: 0
+    c.empty_cache = lambda: None
+    c.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    c.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    return True
+
+
+# --------------------------------------------------------------------------- cuda_to_cpu_mode
+def _is_cuda_device(dev) -> bool:
+    if dev is None:
+        return False
+    if isinstance(dev, int):
+        return True
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    return False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Runs code written for CUDA on CPU: cuda devices become cpu, `.cuda()` is identity."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            out = func(*args)
+            return out.replace("torch.", "torch.cuda.", 1) if out.startswith("torch.") else out
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda_device(a) and not isinstance(a, int) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _cuda_to_cpu_mode() -> bool:
+    global _MODE
+    if _MODE is None:
+        _MODE = CudaToCpuMode()
+        _MODE.__enter__()
+    return True
+
+
+# --------------------------------------------------------------------------- te_general_gemm
+def _te_general_gemm() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):  # transformer-engine imported: nothing to fix
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
+# --------------------------------------------------------------------------- gloo_all_to_all
+def _gloo_all_to_all() -> bool:
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+    if getattr(original, "_skyrl_gloo_lists", False):
+        return True
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, *a, **k)
+
+    all_to_all_single._skyrl_gloo_lists = True
+    # megatron calls it as torch.distributed.all_to_all_single (0.16.1 and 0.19: no module holds
+    # its own reference), so replacing the attribute covers every call site
+    dist.all_to_all_single = all_to_all_single
+    return True
+
+
+_CPU_STEPS = {"cuda_stubs": _cuda_stubs, "te_general_gemm": _te_general_gemm,
+              "gloo_all_to_all": _gloo_all_to_all, "rng_tracker": _rng_tracker,
+              "cuda_to_cpu_mode": _cuda_to_cpu_mode}
+
+
+def apply_cpu_shims() -> list[str]:
+    """Applies each CPU shim whose guard holds (no CUDA, megatron-core in its range); idempotent.
+    Returns the names applied in this process (empty with CUDA)."""
+    if torch.cuda.is_available():
+        return list(_CPU_APPLIED)
+    for name in CPU_SHIMS:
+        shim = SHIMS_BY_NAME[name]
+        if name in _CPU_APPLIED or not shim.needed_here():
+            continue
+        if _CPU_STEPS[name]():
+            _CPU_APPLIED.append(name)
+            mark_applied(shim)
+    return list(_CPU_APPLIED)
+
+
+# --------------------------------------------------------------------------- optimizer state
+def _torch_adam_in_use() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def _inner_optimizers(optimizer):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None:
+            yield inner
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Before building a dist-ckpt load request: gives a fresh torch Adam its per-parameter state
+    by one zero-gradient inner step (as megatron does for its FSDP path); the loaded state then
+    replaces it. Skipped where the `optimizer_state` guard does not hold."""
+    shim = SHIMS_BY_NAME["optimizer_state"]
+    if not (shim.needed_here() and _torch_adam_in_use()):
+        return
+    for inner in _inner_optimizers(optimizer):
+        if len(inner.state) > 0:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.numel():
+                    p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad()
+    mark_applied(shim)
+
+
+def restore_adam_steps(optimizer) -> None:
+    """After a dist-ckpt load: sets torch Adam's per-parameter 'step' from its param group's
+    (the checkpoint's), so bias correction after a resume equals the uninterrupted run's.
+    Skipped where the `adam_steps` guard does not hold."""
+    shim = SHIMS_BY_NAME["adam_steps"]
+    if not (shim.needed_here() and _torch_adam_in_use()):
+        return
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            if group.get("step") is None:
+                continue
+            for p in group["params"]:
+                if p in inner.state and "step" in inner.state[p]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
+    mark_applied(shim)

@@ -1,0 +1,72 @@
+"""Layer specs: which modules build a model family's decoder layers, chosen by `model.spec`.
+
+In:  megatron's TransformerConfig, the model family (its HF model_type), the `model.spec`
+     choice, and the build's extras (virtual pipeline stage, R3 routing replay).
+Out: `layer_spec(...)`: the decoder block spec GPTModel is built from; `resolve_spec(choice)`:
+     the spec a choice builds here; `spec_problem(choice)`: the config error for a choice, if any.
+
+Choices:
+  auto   te when transformer_engine imports, else local (CPU)
+  te     megatron-core's transformer-engine modules (te.py)
+  local  megatron-core's own modules with skyrl's entries: sequence-parallel RMSNorm, THD-packed
+         SDPA core attention (local.py)
+  fast   fused kernels without TE (the entry points in skyrl_mega/megatron/kernels/): not built
+         yet, so choosing it is a ConfigError (never a silent fallback)
+Both built specs take `routing_replay=True`, which puts skyrl's R3 router in every MoE layer's
+router slot (common.R3TopKRouter).
+"""
+
+from __future__ import annotations
+
+from ...config.validate import ConfigError
+
+CHOICES = ("auto", "te", "local", "fast")
+NOT_BUILT = {"fast": "the fast layer spec (fused non-TE kernels, skyrl_mega/megatron/kernels/) is not built yet"}
+# what the local spec needs in megatron's config: no grouped GEMM, megatron's own attention
+LOCAL_CONFIG = dict(moe_grouped_gemm=False, attention_backend="local")
+# model family -> the block builder kind its layers use (the hybrid families will add theirs)
+FAMILIES = {"qwen3_moe": "gpt"}
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def spec_problem(choice: str) -> str | None:
+    """The one-line config error for a `model.spec` value, or None when it can be built."""
+    if choice in NOT_BUILT:
+        return f"model.spec={choice!r}: {NOT_BUILT[choice]}; use model.spec=auto, te or local"
+    if choice not in CHOICES:
+        return f"model.spec={choice!r} is not one of {[c for c in CHOICES if c not in NOT_BUILT]}"
+    return None
+
+
+def resolve_spec(choice: str = "auto") -> str:
+    """'te' or 'local' for a `model.spec` choice; ConfigError for a choice that cannot be built here."""
+    problem = spec_problem(choice)
+    if problem:
+        raise ConfigError(problem)
+    if choice == "auto":
+        return "te" if te_available() else "local"
+    if choice == "te" and not te_available():
+        raise ConfigError("model.spec='te' but transformer_engine does not import here; "
+                          "install transformer-engine or use model.spec=local")
+    return choice
+
+
+def layer_spec(config, family: str, spec: str = "auto", *, vp_stage: int | None = None,
+               routing_replay: bool = False):
+    """The decoder block spec of `family` for megatron `config`, built by the `spec` choice."""
+    kind = resolve_spec(spec)
+    if family not in FAMILIES:
+        raise ConfigError(f"no layer spec for model family {family!r}; families: {sorted(FAMILIES)}")
+    if kind == "te":
+        from .te import decoder_block_spec
+    else:
+        from .local import decoder_block_spec
+    return decoder_block_spec(config, vp_stage=vp_stage, routing_replay=routing_replay)
