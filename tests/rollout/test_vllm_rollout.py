@@ -392,6 +392,36 @@ def _engine_worker_pids(leader):
     return [w for c in kids(leader) for w in kids(c)] or kids(leader)
 
 
+def _metric(text, name):
+    import re
+
+    return sum(float(v) for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def _metrics_text(server_url):
+    import urllib.request
+
+    return urllib.request.urlopen(f"{server_url}/metrics", timeout=10).read().decode()
+
+
+def _generated_tokens(server_url):
+    return _metric(_metrics_text(server_url), "generation_tokens_total")
+
+
+def _wait_generation_started(server_url, max_tokens_done, timeout_s):
+    """Until the engine's Prometheus metrics show requests running while its generated-token
+    counter is still below `max_tokens_done`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = _metrics_text(server_url)
+        done = _metric(text, "generation_tokens_total")
+        if _metric(text, "num_requests_running") > 0:
+            assert done < max_tokens_done, f"the batch ran {done} tokens before it was seen running"
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no request ran on {server_url} within {timeout_s}s")
+
+
 def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
     sm, url = stack["sm"], stack["router"].url
     server = sm.servers[0]
@@ -405,8 +435,11 @@ def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
         patient = RolloutClient(url, deadline_s=180, max_retries=100, backoff_max_s=2.0, **MOE)
         impatient = RolloutClient(url, deadline_s=4.0, max_retries=100, backoff_max_s=0.5)
         async with patient, impatient:
+            # Kill on an observed event, not after a sleep: the engine reports requests running
+            # with most of the batch's tokens still to generate (each needs 400 decode steps).
+            before = await asyncio.to_thread(_generated_tokens, server.url)
             batch = asyncio.ensure_future(patient.generate_batch(ps, sampling))
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(_wait_generation_started, server.url, before + len(ps) * sampling.n * 400 // 2, 120)
             assert not batch.done()
             for pid in victims:  # the engine's worker dies, as in a real crash
                 os.kill(pid, signal.SIGKILL)
