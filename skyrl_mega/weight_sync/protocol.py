@@ -1,7 +1,8 @@
-"""The packed-bucket wire protocol, shared by the trainer, vLLM engines and standalone receivers.
+"""The packed-bucket wire protocol: the NCCL transport's sender side, every receiver's receive loop.
 
-Control plane (vLLM's native weight-transfer calls; HTTP endpoints of a vLLM server, or the
-TCPStore channel of a standalone receiver):
+Used by transports/nccl.py (rank 0 sends), vllm_engine.py (the engines receive) and any other
+receiver (tests/support/receiver.py). Control plane (vLLM's native weight-transfer calls;
+HTTP endpoints of a vLLM server, JSON bodies):
     init_weight_transfer_engine(init_info)   join the transfer group (once)
     start_weight_update()                    begin an update (vLLM: layer-wise reload starts)
     update_weights(update_info)              receive + load ONE WHOLE SYNC (all buckets)

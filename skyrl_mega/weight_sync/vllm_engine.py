@@ -12,8 +12,8 @@ and driven through vLLM's own endpoints (VLLM_SERVER_DEV_MODE=1):
 Modes: "broadcast" — protocol.py over a gloo (CPU) or NCCL (GPU) group of its own, one
 update_weights call receives every bucket of the sync into a fresh buffer each and hands
 its tensors to model.load_weights; "ipc" — one call per round, tensors opened from the
-trainer's CUDA IPC handles and cloned (vLLM's reload may hold them until a layer is
-complete). A failed or aborted update finalises the layer-wise reload (the model stays
+trainer's typed IPC handles (ipc_handles.decode validates them; nothing is unpickled) and
+cloned (vLLM's reload may hold them until a layer is complete). A failed or aborted update finalises the layer-wise reload (the model stays
 runnable, the engine stays paused) and raises, so vLLM keeps the previous weight version.
 """
 

@@ -6,20 +6,21 @@ engine opens a CUDA IPC handle of the parameter storage (with megatron's distrib
 DDP that is one contiguous param buffer) and copies each tensor straight into its own weights:
 one device-to-device copy per byte. Tensors that need a gather or a conversion (TP merges,
 other EP ranks' experts, the q/k/v split) are packed by the exporter into ONE staging buffer
-of about one bucket (`staging_bytes`, default the plan's bucket size or its largest bucket),
-so peak extra memory stays near one bucket whatever the model size. Buckets accumulate into
-a "round" until it holds `round_bytes` (default: no limit), the expert buckets end (the dense
-ones after them cost the CPU conversions, which then overlap the engine's copies) or the
-next bucket does not fit the staging buffer; then the round goes out: one update_weights call whose JSON names every
-tensor as (handle index, byte offset, dtype, shape) plus the IPC handles (torch's CUDA IPC
-reduction) and a CUDA IPC event recorded after the sender's work for the round: the engine's
-stream waits on it, so neither side blocks its CPU on the other's GPU work. Rounds are posted
-from a background thread, in order, so the engine copies round k while the trainer walks the
-buckets of round k+1. A round that used the staging buffer is answered only after the
-engine's copies finished (device synchronised; "sync": true), and the staging buffer is
-refilled only after every such answer came back. The last round is posted with the last
-bucket and is always answered after the copies; finish() waits for every answer, then
-finish_weight_update(version) commits.
+of about one bucket (`acquire`; `staging_bytes`, default the plan's bucket size or its
+largest bucket), so peak extra memory stays near one bucket whatever the model size.
+send_bucket adds each bucket to a "round" (`_seal`, with its checksums when verifying); the
+round goes out (`_ship`) when it holds `round_bytes` (default: no limit), where the expert
+buckets end (the dense ones after them cost the CPU conversions, which then overlap the
+engine's copies) or when the next bucket does not fit the staging buffer: one update_weights
+call whose JSON names every tensor as (handle index, byte offset, dtype, shape) plus the IPC
+handles (typed JSON of torch's CUDA IPC reduction, ipc_handles.py: no pickle) and a CUDA IPC
+event recorded after the sender's work for the round: the engine's stream waits on it, so
+neither side blocks its CPU on the other's GPU work. Rounds are posted from a background
+thread, in order, so the engine copies round k while the trainer walks the buckets of round
+k+1. A round that used the staging buffer is answered only after the engine's copies finished
+(device synchronised; "sync": true), and the staging buffer is refilled only after every such
+answer came back. The last round is posted with the last bucket and is always answered after
+the copies; finish() waits for every answer, then finish_weight_update(version) commits.
 On CPU (tests and dry runs) the staging buffer is a /dev/shm file and nothing is direct.
 Verification: the sender's checksums ride in each round; the receiver compares them with
 checksums of what landed in its weights and fails the update on any mismatch.
