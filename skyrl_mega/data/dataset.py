@@ -112,10 +112,6 @@ class PromptSampler:
         self.cursor += self.batch_size
         return batch
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.num_items // self.batch_size
-
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_items": self.num_items}
 

@@ -124,10 +124,6 @@ class MicroBatchLayout:
         return self.rows * self.width
 
     @property
-    def real_tokens(self) -> int:
-        return sum(s.length for s in self.segments if s.sample >= 0)
-
-    @property
     def samples(self) -> list[int]:
         return [s.sample for s in self.segments]
 

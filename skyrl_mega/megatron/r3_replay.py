@@ -279,11 +279,6 @@ class R3Replay:
         routers.sort(key=lambda r: r.layer)
         return cls(routers, moe_layers, models)
 
-    @property
-    def local_layers(self) -> list[int]:
-        """Global layer numbers of this rank's MoE routers (this pipeline stage's)."""
-        return [r.layer for r in self.routers]
-
     # ------------------------------------------------------------------ actions
     def _set_action(self, name: str | None):
         from megatron.core.transformer.moe.router_replay import RouterReplayAction

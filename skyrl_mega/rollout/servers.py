@@ -274,10 +274,6 @@ class ServerManager:
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
-    @property
-    def log_paths(self) -> list[str | None]:
-        return [s.log_path for s in self.servers]
-
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "ServerManager":
         self._stop_event.clear()
@@ -344,11 +340,6 @@ class ServerManager:
                 if self.on_restart is not None:
                     self.on_restart(s.index, s.url)
         return restarted
-
-    def wait_all_healthy(self, timeout_s: float | None = None) -> None:
-        """Blocks until every server (managed or external) answers /health with 200."""
-        for s in self.servers:
-            s.wait_healthy(timeout_s if timeout_s is not None else self.startup_timeout_s)
 
     def _watch_loop(self) -> None:
         while not self._stop_event.wait(self.watch_interval_s):
