@@ -4,7 +4,7 @@ Two torchruns (tests/workers/weight_sync_worker.py), one per layout:
 - tp2pp2ep2 (8 gloo ranks: TP=2, PP=2, EP=2, ETP=2): bucketed export vs the HF checkpoint
   and mbridge's per-tensor export; the bucket plan; a standalone transformers receiver synced
   over the packed-bucket protocol (gloo) with verification; a corrupted bucket; a sync that
-  dies half-way; new parameter tensors on the next sync.
+  dies half-way; new parameter tensors on the next sync; the CPU shared-memory transport.
 - ep2 (2 ranks, EP=2) against a real vLLM CPU server that runs the "skyrl_bucket"
   weight-transfer backend (registered by the project's vLLM plugin) and is driven through
   vLLM's own /init_weight_transfer_engine, /start_weight_update, /update_weights and
@@ -178,6 +178,18 @@ def test_colocated_protocol_commits_aborts_and_resends_a_stale_plan(layouts_run)
     rep = r["ipc_report_v13"]
     assert rep["version"] == 13 and rep["consistent"] and rep["checksum"] == r["ipc_digest_v13"]
     assert r["ipc_digest_v13"] == r["ipc_digest_v11"]  # the same weights as version 11
+
+
+def test_shared_memory_transport_through_sync_weights(layouts_run):
+    """The CPU transport behind the same sync_weights as the others: one safetensors file per
+    bucket, exactly mbridge's per-tensor export at TP2 PP2 EP2, committed, files removed."""
+    _, r = layouts_run
+    s = r["shm_sync"]
+    assert s["names_equal"] and s["unequal"] == []
+    assert s["files"] == s["buckets"] > 5
+    assert s["calls"] == ["pause", "skyrl_load_weights", "version 21", "resume"]
+    assert s["report"] == {"engine": [{"version": 21, "num_tensors": s["tensors"]}]}
+    assert s["left"] == []
 
 
 # -- a real vLLM CPU server ------------------------------------------------------------------------

@@ -5,7 +5,7 @@ MODE "receiver": the trainer syncs to a standalone transformers receiver (gloo) 
     starts; writes export.safetensors (bucketed export), mbridge.safetensors (mbridge's
     per-tensor export), plan.json, the receiver's logits per version, results.json. Then the
     same failure cases through the co-located CUDA IPC protocol (over /dev/shm on CPU) to a
-    second receiver.
+    second receiver; then through SharedMemoryTransport to a fake engine that loads its files.
 MODE "vllm": the trainer syncs to the vLLM server(s) given by urls=... and a standalone
     receiver in the same transfer group; writes trainer and receiver logits, results.json.
 """
@@ -89,6 +89,37 @@ def transpose_first_router_on_stage_1(models):
             if name.endswith("mlp.router.weight"):
                 p.data = p.data.view(p.shape[1], p.shape[0])
                 break
+
+
+class FileLoadingControl:
+    """The control plane of one engine that loads what SharedMemoryTransport wrote (no vLLM)."""
+
+    urls = ["engine"]
+
+    def __init__(self):
+        self.calls, self.loaded, self.files = [], {}, 0
+
+    def pause(self, mode, timeout_s=None):
+        self.calls.append("pause")
+
+    def resume(self):
+        self.calls.append("resume")
+
+    def collective_rpc(self, method, kwargs, timeout_s=None):
+        from safetensors.torch import load_file
+
+        m = json.loads(kwargs["manifest"])
+        self.calls.append(method)
+        for f in m["files"]:
+            self.loaded.update(load_file(f))
+        self.files = len(m["files"])
+        return {"engine": [{"version": m["version"], "num_tensors": len(self.loaded)}]}
+
+    def set_weight_version(self, v):
+        self.calls.append(f"version {v}")
+
+    def reset_prefix_cache(self, reset_running_requests=False):
+        return {"engine": True}
 
 
 def expect_failure(fn, results, key):
@@ -217,6 +248,23 @@ def main():
         finally:
             if rank == 0:
                 stop(ipc, rx_proc)
+        # 8) the CPU shared-memory transport through the same sync_weights: the files its
+        #    engines would load hold exactly what mbridge's per-tensor export gives
+        shm, ctl = None, None
+        if rank == 0:
+            from skyrl_mega.weight_sync import SharedMemoryTransport
+
+            os.makedirs(os.path.join(out_dir, "shm"), exist_ok=True)
+            ctl = FileLoadingControl()
+            shm = SharedMemoryTransport(ctl, shm_root=os.path.join(out_dir, "shm"), pause_mode="wait")
+        m = sync_weights(bridge, models, shm, version=21, bucket_bytes=BUCKET)
+        ref = {n: t.detach().cpu().clone() for n, t in bridge.export_hf(models)}
+        if rank == 0:
+            results["shm_sync"] = {
+                "buckets": m["weight_sync/buckets"], "files": ctl.files, "calls": ctl.calls,
+                "report": shm.last_report, "left": os.listdir(os.path.join(out_dir, "shm")),
+                "tensors": len(ref), "names_equal": sorted(ctl.loaded) == sorted(ref),
+                "unequal": [n for n in ref if n not in ctl.loaded or not torch.equal(ctl.loaded[n], ref[n])]}
     elif mode == "vllm":
         from skyrl_mega.rollout.control import EngineControl
 
