@@ -72,12 +72,15 @@ def _b64(raw: bytes) -> str:
 
 
 def encode(whole: torch.Tensor, shm_path: str | None = None) -> dict:
+    """The typed handle of a 1-D uint8 buffer: CUDA memory, or a CPU buffer in `shm_path` (shm_buffer)."""
     if whole.dtype != torch.uint8 or whole.dim() != 1:
         raise ValueError(f"only 1-D uint8 buffers are shared, got {whole.dtype} {tuple(whole.shape)}")
     if whole.device.type == "cuda":
-        from torch.multiprocessing.reductions import reduce_tensor
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-        _rebuild, args = reduce_tensor(whole)  # torch's own sharing step (no pickling here)
+        rebuild, args = reduce_tensor(whole)  # torch's own sharing step (no pickling here)
+        if rebuild is not rebuild_cuda_tensor or len(args) != 15:
+            raise RuntimeError(f"torch {torch.__version__}: unexpected CUDA IPC reduction {rebuild} ({len(args)} args)")
         (_cls, size, stride, tensor_offset, _storage_cls, _dtype, device, handle, storage_size, storage_offset,
          _requires_grad, ref_handle, ref_offset, event_handle, event_sync) = args
         if handle is None:
