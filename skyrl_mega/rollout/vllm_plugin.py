@@ -11,7 +11,8 @@
    /start_weight_update, /update_weights, /finish_weight_update).
 
 3. `SkyrlWorkerExtension` (`--worker-extension-cls skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension`,
-   the ServerManager's default) adds collective_rpc methods to every worker:
+   the ServerManager's default) adds collective_rpc methods to every worker (the engine side of
+   skyrl_mega/weight_sync/transports/shm.py; the manifest is JSON, the files safetensors):
        skyrl_load_weights(manifest)   manifest = JSON {"files": [safetensors paths], "version": v}
        skyrl_weight_version()
    reachable over HTTP as POST /collective_rpc {"method": "skyrl_load_weights",
