@@ -21,7 +21,6 @@ from typing import Any, Optional
 from .field_checks import SEQUENCE_LEVEL, at_least, choice, field_problems
 
 MODEL_DTYPES = ("float32", "bfloat16")
-SPECS = ("auto", "te", "local")
 
 
 class ConfigError(ValueError):
@@ -47,12 +46,20 @@ def num_experts(hf: dict[str, Any]) -> int:
 
 
 def uses_te(spec: str) -> bool:
-    """The layer spec the bridge builds: TE for `te`, and for `auto` when it is importable."""
-    if spec != "auto":
-        return spec == "te"
-    from bridges.interface import te_available
+    """The layer spec the model is built with (megatron/specs): TE for `te`, and for `auto`
+    when transformer-engine imports."""
+    from skyrl_mega.megatron.specs import te_available
 
-    return te_available()
+    return spec == "te" or (spec == "auto" and te_available())
+
+
+def spec_problems(spec: str) -> list[str]:
+    from skyrl_mega.megatron.specs import spec_problem
+
+    problem = spec_problem(spec)
+    if problem is None and spec == "te" and not uses_te("auto"):
+        problem = "model.spec=te but transformer-engine does not import here: install it, or use model.spec=local"
+    return [problem] if problem else []
 
 
 def model_problems(cfg) -> list[str]:
@@ -63,10 +70,7 @@ def model_problems(cfg) -> list[str]:
         why = "the directory does not exist" if not os.path.isdir(m.path) else "no config.json in it"
         out.append(f"model.path: no checkpoint at {m.path} ({why}): fix model.path, or make a tiny random "
                    "one with `skyrl-mega make-tiny FAMILY DIR`")
-    out += choice("model.dtype", m.dtype, MODEL_DTYPES) + choice("model.spec", m.spec, SPECS)
-    if m.spec == "te" and not uses_te("auto"):
-        out.append("model.spec=te but transformer-engine is not importable: install it, or use model.spec=local")
-    return out
+    return out + choice("model.dtype", m.dtype, MODEL_DTYPES) + spec_problems(m.spec)
 
 
 def layout_problems(cfg, world: int) -> list[str]:
@@ -82,7 +86,7 @@ def layout_problems(cfg, world: int) -> list[str]:
     if world % (etp * p.ep * p.pp):
         out.append(f"world size {world} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp} = {etp * p.ep * p.pp}")
     if p.cp > 1:
-        if cfg.model.spec in SPECS and not uses_te(cfg.model.spec):
+        if not spec_problems(cfg.model.spec) and not uses_te(cfg.model.spec):
             out.append(f"parallel.cp={p.cp}: context parallel needs the TE layer spec, and model.spec="
                        f"{cfg.model.spec} builds the local spec, which cannot run it: set parallel.cp=1 "
                        "(or model.spec=te with transformer-engine installed)")
