@@ -116,20 +116,27 @@ def _train(args, recipe: str | None, cfg) -> int:
 
 
 def cmd_convert(args) -> int:
-    from skyrl_mega.config import load_config, validate_config
+    """Checks the inputs here (files, model family, layout), then torchruns the conversion;
+    whatever a failed or killed conversion left at `<dst>.partial` is removed."""
+    from skyrl_mega.checkpoint.convert import remove_partial
+    from skyrl_mega.checkpoint.preflight import check_convert
     from skyrl_mega.launcher import run_torchrun
 
     hf_dir = args.src if args.direction == "hf-to-mcore" else args.hf
     if not hf_dir:
         raise SystemExit("skyrl-mega convert mcore-to-hf needs --hf <HF dir of the same architecture>")
-    validate_config(load_config(None, [f"model.path={hf_dir}", *args.overrides]), args.nproc)
+    check_convert(args.direction, args.src, hf_dir, args.overrides, args.nproc)
     argv = [args.direction, args.src, args.dst, *args.overrides] + (["--hf", args.hf] if args.hf else [])
-    run_torchrun("skyrl_mega.checkpoint.convert", args.nproc, argv, timeout=args.timeout, stream=True)
+    try:
+        run_torchrun("skyrl_mega.checkpoint.convert", args.nproc, argv, timeout=args.timeout, stream=True)
+    finally:
+        remove_partial(args.dst)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from skyrl_mega.config import ConfigError
+    from skyrl_mega.errors import EXIT_USER_ERROR, UserError, one_line
+    from skyrl_mega.launcher import LaunchError
 
     parser = argparse.ArgumentParser(prog="skyrl-mega", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -174,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except UserError as e:  # config, checkpoint, a rank's user error: one line, no traceback
+        print(f"skyrl-mega: {one_line(e)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except LaunchError as e:  # the failed rank printed its traceback above
         print(f"skyrl-mega: {e}", file=sys.stderr)
-        return 2
+        return 1
 
 
 if __name__ == "__main__":

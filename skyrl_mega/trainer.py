@@ -21,6 +21,7 @@ from .controller.batch_transfer import broadcast_rl_batch
 from .controller.log import log0
 from .controller.steps import (on_rank0, resume_step, rollout_with_retries, save_due, save_final,
                                sync_with_retries)
+from .errors import run_rank
 from .megatron import parallel
 from .megatron.packing import shard_for_dp
 from .megatron.train_step import build_policy, build_reference, train_step
@@ -100,4 +101,4 @@ def start_controller(cfg, policy, state: dict, start: int):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_rank(main, sys.argv[1:]))  # a UserError: one line, exit code 2

@@ -7,6 +7,8 @@
                  the same architecture
 
 dist-ckpt reshards on load, so the layout used here need not match the one that saved it.
+The output is written to `<dst>.partial` and renamed when complete;
+a failure removes it. The launching process checks the inputs first (preflight.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import torch.distributed as dist
 
 from ..config import load_config
+from ..errors import run_rank
 from ..megatron import parallel
 from ..megatron.model import build_bridge
 from .dist_ckpt import _unwrap
@@ -27,8 +30,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json", "vocab.json", "merges.txt")
 
 
+def partial_dir(dst: str) -> str:
+    return dst.rstrip("/") + ".partial"
+
+
+def remove_partial(dst: str) -> None:
+    """What an unfinished conversion to `dst` left (save_hf's own temporary dir included)."""
+    for d in (partial_dir(dst), partial_dir(partial_dir(dst))):
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _model_state(models):
     return {f"model{i}" if len(models) > 1 else "model": _unwrap(m).sharded_state_dict() for i, m in enumerate(models)}
+
+
+def _publish(partial: str, out_dir: str) -> None:
+    """Collective: once every rank finished writing, rank 0 renames the partial dir."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(partial, out_dir)
+    dist.barrier()
 
 
 def hf_to_mcore(cfg, hf_dir: str, out_dir: str) -> None:  # hf_dir is cfg.model.path
@@ -36,10 +58,13 @@ def hf_to_mcore(cfg, hf_dir: str, out_dir: str) -> None:  # hf_dir is cfg.model.
 
     bridge = build_bridge(cfg)
     models = bridge.build(load_weights=True)
+    partial = partial_dir(out_dir)
     if dist.get_rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
     dist.barrier()
-    dist_checkpointing.save(_model_state(models), out_dir)
+    dist_checkpointing.save(_model_state(models), partial)
+    _publish(partial, out_dir)
 
 
 def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str) -> None:
@@ -50,12 +75,14 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str) -> None:
     loaded = dist_checkpointing.load(_model_state(models), ckpt_dir)
     for i, m in enumerate(models):
         _unwrap(m).load_state_dict(loaded[f"model{i}" if len(models) > 1 else "model"], strict=False)
-    bridge.save_hf(models, out_dir)
+    partial = partial_dir(out_dir)
+    bridge.save_hf(models, partial)
     if dist.get_rank() == 0:
         for f in TOKENIZER_FILES:
             src = os.path.join(cfg.model.path, f)
             if os.path.exists(src):
-                shutil.copy(src, os.path.join(out_dir, f))
+                shutil.copy(src, os.path.join(partial, f))
+    _publish(partial, out_dir)
 
 
 def main(argv: list[str]) -> None:
@@ -79,9 +106,13 @@ def main(argv: list[str]) -> None:
             mcore_to_hf(cfg, a.src, a.dst)
         if dist.get_rank() == 0:
             print(f"[skyrl-mega] wrote {a.dst}", flush=True)
+    except BaseException:
+        if dist.get_rank() == 0:
+            remove_partial(a.dst)
+        raise
     finally:
         parallel.destroy()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_rank(main, sys.argv[1:]))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ..compat import megatron_core as mcore_compat
+from ..errors import UserError
 
 MANIFEST = "skyrl_complete.json"
 TRAINER_STATE = "trainer_state.json"
@@ -29,8 +30,8 @@ OPT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
 
 
 def _unwrap(model):

@@ -18,12 +18,13 @@ import json
 import os
 from typing import Any, Optional
 
+from ..errors import UserError
 from .field_checks import SEQUENCE_LEVEL, at_least, choice, field_problems
 
 MODEL_DTYPES = ("float32", "bfloat16")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad configuration; the message says which key and why."""
 
 
