@@ -102,12 +102,14 @@ def cmd_demo(args) -> int:
 
 
 def _train(args, recipe: str | None, cfg) -> int:
+    from skyrl_mega.checkpoint.preflight import check_resume
     from skyrl_mega.launcher import run_torchrun
 
     if args.cfg:
         _print_cfg(cfg, args)
         return 0
     world = _validate(cfg, args.nproc)
+    check_resume(cfg)  # checkpoint.resume=<path>: there and complete, before any rank starts
     os.makedirs(cfg.output_dir, exist_ok=True)
     argv = ([recipe] if recipe else []) + list(args.overrides)
     run_torchrun(args.entry, world, argv, timeout=args.timeout, env={"PYTHONUNBUFFERED": "1"},

@@ -14,12 +14,10 @@ import os
 import sys
 import time
 
-from .checkpoint import load_checkpoint
-from .checkpoint.dist_ckpt import step_dir
 from .config import load_config, validate_config
 from .controller.batch_transfer import broadcast_rl_batch
 from .controller.log import log0
-from .controller.steps import (on_rank0, resume_step, rollout_with_retries, save_due, save_final,
+from .controller.steps import (on_rank0, resume, rollout_with_retries, save_due, save_final,
                                sync_with_retries)
 from .errors import run_rank
 from .megatron import parallel
@@ -40,9 +38,7 @@ def main(argv: list[str]) -> None:
     policy = build_policy(cfg, total_steps=steps)
     ref = build_reference(cfg) if cfg.algorithm.use_reference else None
     ckpt_root = cfg.checkpoint.dir or os.path.join(cfg.output_dir, "checkpoints")
-    start = resume_step(cfg, ckpt_root)
-    state = load_checkpoint(step_dir(ckpt_root, start), policy.models, policy.optimizer, policy.scheduler) \
-        if start else {}
+    start, state = resume(cfg, ckpt_root, policy.models, policy.optimizer, policy.scheduler)
     policy.step = start
     ctrl = metrics_log = None
     try:

@@ -138,6 +138,8 @@ def save_checkpoint(root: str, step: int, models, optimizer=None, scheduler=None
 
 def verify_checkpoint(path: str) -> str | None:
     """None when the directory is a complete, intact checkpoint; else why not."""
+    if not os.path.isdir(path):
+        return "it does not exist"
     manifest = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest):
         return "no completion manifest (the save did not finish)"

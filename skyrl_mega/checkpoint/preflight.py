@@ -1,12 +1,14 @@
-"""Checks of a conversion's inputs in the launching process, before torchrun starts any rank.
+"""Checks of checkpoints in the launching process, before torchrun starts any rank.
 
-In: `skyrl-mega convert`'s direction, source, HF dir, overrides and rank count. Out: None, or one
-CheckpointError (or ConfigError) whose message names the file and the problem:
+In: `skyrl-mega convert`'s direction, source, HF dir, overrides and rank count; or a training
+config (checkpoint.resume). Out: None, or one CheckpointError (or ConfigError) whose message
+names the file and the problem:
   - an HF dir that is missing, has no (or an unreadable) config.json, a model_type without a
     bridge, no *.safetensors, an index naming a missing shard, a truncated or corrupt shard;
   - a dist-ckpt dir that is missing, has no metadata.json, or (a trainer checkpoint) does not
     verify against its manifest;
-  - a parallel layout that does not divide the model (config validation).
+  - a parallel layout that does not divide the model (config validation);
+  - a checkpoint.resume=<path> that does not exist or does not verify.
 What can be known only after the model is built (which tensors it loads) is checked in the
 ranks (tensor_names.py).
 """
@@ -18,7 +20,7 @@ import json
 import os
 import struct
 
-from .dist_ckpt import MANIFEST, CheckpointError, verify_checkpoint
+from .dist_ckpt import MANIFEST, CheckpointError, list_checkpoints, verify_checkpoint
 
 INDEX = "model.safetensors.index.json"
 
@@ -124,3 +126,15 @@ def check_convert(direction: str, src: str, hf_dir: str, overrides: list[str], n
         check_hf_dir(hf_dir, weights=False)
     validate_config(load_config(None, [f"model.path={hf_dir}", *overrides]), nproc)
 
+
+def check_resume(cfg) -> None:
+    """checkpoint.resume=<path> names one complete checkpoint (auto and none need nothing)."""
+    path = cfg.checkpoint.resume
+    if path in ("auto", "none"):
+        return
+    why = verify_checkpoint(path)
+    if why is not None and not os.path.exists(os.path.join(path, MANIFEST)) and list_checkpoints(path):
+        why = (f"it holds checkpoints, it is not one: pass one of its step_N directories, e.g. "
+               f"{list_checkpoints(path)[-1][1]}")
+    if why is not None:
+        raise CheckpointError(f"checkpoint.resume={path} is not a usable checkpoint: {why}")

@@ -1,7 +1,7 @@
 """The collective steps of the RL loop that the controller (rank 0) decides and every rank runs.
 
 In: the config, the controller (rank 0; None elsewhere), the policy. Out, on every rank:
-the resume step, a step's rollout (rank 0 only holds the batch) after retries, a weight sync
+the checkpoint resumed from (loaded) and its step, a step's rollout (rank 0 only holds the batch) after retries, a weight sync
 after retries, periodic and final checkpoints. Rank 0's decisions reach the other ranks as
 broadcast integers, so every rank takes the same branch.
 """
@@ -13,7 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import find_latest, save_checkpoint
+from ..checkpoint import find_latest, load_checkpoint, save_checkpoint
+from ..checkpoint.dist_ckpt import step_dir
 from ..devices import current_device
 from ..rollout.errors import RolloutError, WeightSyncError
 from ..weight_sync.sync import sync_weights
@@ -66,14 +67,32 @@ def on_rank0(what: str, fn, *args):
     return result
 
 
-def resume_step(cfg, ckpt_root: str) -> int:
-    """Rank 0 picks the checkpoint (the newest that verifies); every rank learns its step."""
-    step = 0
-    if dist.get_rank() == 0 and cfg.checkpoint.resume != "none":
-        path = find_latest(ckpt_root, log=log0) if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume
-        if path:
-            step = int(os.path.basename(path.rstrip("/")).split("_")[-1])
-    return bcast_int(step)
+def resume_path(cfg, ckpt_root: str) -> str | None:
+    """Collective: the checkpoint to resume from, the same on every rank, or None.
+    checkpoint.resume=auto: the newest in ckpt_root that verifies (rank 0 picks, every rank learns
+    its step); none: None; anything else: that path (which may be in another run's dir)."""
+    choice = cfg.checkpoint.resume
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return choice
+    step = -1
+    if dist.get_rank() == 0:
+        path = find_latest(ckpt_root, log=log0)
+        step = int(os.path.basename(path.rstrip("/")).split("_")[-1]) if path else -1
+    step = bcast_int(step)
+    return step_dir(ckpt_root, step) if step >= 0 else None
+
+
+def resume(cfg, ckpt_root: str, models, optimizer, scheduler) -> tuple[int, dict]:
+    """Collective: loads the checkpoint to resume from (load_checkpoint verifies it on every rank,
+    so a bad one is the same CheckpointError everywhere); returns (its step, trainer state)."""
+    path = resume_path(cfg, ckpt_root)
+    if path is None:
+        return 0, {}
+    state = load_checkpoint(path, models, optimizer, scheduler)
+    log0(f"loaded checkpoint {path}")
+    return int(state["step"]), state
 
 
 def rollout_with_retries(cfg, ctrl, policy, step: int, version: int):

@@ -1,5 +1,6 @@
 """torchrun worker: LM training with checkpoints after steps 2 and 4; `resume*` continues from
-the latest complete one.
+the checkpoint the trainer's resume picks
+(checkpoint.resume: auto = the latest complete one in OUT_DIR/ckpt, or an explicit path).
 
 Run: torchrun --nproc-per-node 2 tests/workers/ckpt_worker.py OUT_DIR {full|resume*} overrides...
 Rank 0 writes OUT_DIR/losses_<mode>.json (step -> loss) and, on resume, the step it resumed at.
@@ -11,8 +12,9 @@ import sys
 
 import torch
 
-from skyrl_mega.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from skyrl_mega.checkpoint import save_checkpoint
 from skyrl_mega.config import load_config
+from skyrl_mega.controller.steps import resume
 from skyrl_mega.megatron import parallel
 from skyrl_mega.megatron.model import build_model
 from skyrl_mega.megatron.optimizer import build_optimizer
@@ -32,8 +34,7 @@ def main():
     root = os.path.join(out_dir, "ckpt")
     start = 0
     if mode.startswith("resume"):
-        state = load_checkpoint(find_latest(root), models, optimizer, scheduler)
-        start = state["step"]
+        start, _ = resume(cfg, root, models, optimizer, scheduler)
     losses = {}
     for step in range(start, STEPS):
         batch = pattern_batch(4, 16, step) + (torch.rand(4, 16) < 0.3).long()  # consumes torch RNG
