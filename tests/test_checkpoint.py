@@ -78,3 +78,27 @@ def test_keep_last_prunes_old_complete_checkpoints(runs, tmp_path):
     # step 4 is corrupted (above), so it is not a complete checkpoint and is left for inspection;
     # of the complete ones only the newest (step 2) survives
     assert [s for s, _ in list_checkpoints(root)] == [2, 4]
+
+
+def test_trainer_checkpoint_converts_to_the_weights_it_saved(runs, tiny_qwen3_moe, tmp_path):
+    """A trainer checkpoint (model + optimizer state; conversion is strict on model tensors only)
+    converts to HF tensors equal to the training run's own HF export of the same step."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    from skyrl_mega import cli
+
+    out = str(tmp_path / "hf")
+    assert cli.main(["convert", "mcore-to-hf", str(runs[0] / "ckpt" / "step_000002"), out, "--hf", tiny_qwen3_moe,
+                     "--nproc", "2", "parallel.ep=2"]) == 0
+
+    def tensors(d):
+        return {k: v for f in glob.glob(os.path.join(d, "*.safetensors")) for k, v in load_file(f).items()}
+
+    converted, exported = tensors(out), tensors(runs[0] / "hf_step_2")
+    assert sorted(converted) == sorted(exported)
+    assert all(torch.equal(converted[k], exported[k]) for k in exported)
+    initial = load_file(os.path.join(tiny_qwen3_moe, "model.safetensors"))
+    assert any(not torch.equal(converted[k], initial[k]) for k in initial)  # two steps of training

@@ -1,4 +1,6 @@
-"""`skyrl-mega convert`: HF -> dist-ckpt at EP=2 -> HF at TP=2 is bit-exact (dist-ckpt reshards)."""
+"""`skyrl-mega convert`: HF -> dist-ckpt at EP=2 -> HF at TP=2 is bit-exact (dist-ckpt reshards);
+conversion is strict: a dist-ckpt holding layers the target architecture lacks is an error
+naming them, and nothing is written."""
 
 import glob
 import os
@@ -12,9 +14,15 @@ from skyrl_mega import cli
 pytestmark = pytest.mark.multiprocess
 
 
-def test_round_trip_across_layouts(tiny_qwen3_moe, tmp_path):
-    mcore, back = str(tmp_path / "mcore"), str(tmp_path / "hf")
-    assert cli.main(["convert", "hf-to-mcore", tiny_qwen3_moe, mcore, "--nproc", "2", "parallel.ep=2"]) == 0
+@pytest.fixture(scope="module")
+def mcore(tiny_qwen3_moe, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("convert") / "mcore")
+    assert cli.main(["convert", "hf-to-mcore", tiny_qwen3_moe, out, "--nproc", "2", "parallel.ep=2"]) == 0
+    return out
+
+
+def test_round_trip_across_layouts(mcore, tiny_qwen3_moe, tmp_path):
+    back = str(tmp_path / "hf")
     assert os.path.exists(os.path.join(mcore, "metadata.json"))
     assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", tiny_qwen3_moe, "--nproc", "2",
                      "parallel.tp=2"]) == 0
@@ -26,6 +34,24 @@ def test_round_trip_across_layouts(tiny_qwen3_moe, tmp_path):
     assert all(torch.equal(converted[k], original[k]) for k in original)
     for f in ("config.json", "tokenizer.json", "model.safetensors.index.json"):
         assert os.path.exists(os.path.join(back, f)), f
+    assert not glob.glob(mcore + ".partial*") and not glob.glob(back + ".partial*")
+
+
+def test_dist_ckpt_with_layers_the_model_lacks(mcore, tmp_path, capsys):
+    """The 4-layer checkpoint into a 3-layer architecture: layer 3's 9 tensors (qkv, proj, the
+    three norms, router, the two expert weights) are left over; strict=False loaded it silently."""
+    from skyrl_mega.models.tiny import make_tiny
+
+    three = make_tiny("qwen3_moe", str(tmp_path / "three_layers"), num_hidden_layers=3)
+    back = str(tmp_path / "hf")
+    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", three]) == 2
+    shown = ("decoder.layers.3.mlp.experts.experts.linear_fc1.weight, decoder.layers.3.mlp.experts.experts."
+             "linear_fc2.weight, decoder.layers.3.mlp.linear_fc1.layer_norm_weight, decoder.layers.3.mlp.router."
+             "weight, decoder.layers.3.self_attention.k_layernorm.weight and 4 more")
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"skyrl-mega: {mcore} does not match {three}/config.json: "
+                                            f"9 tensors unexpected ({shown})"), err
+    assert not glob.glob(back + "*")
 
 
 def test_mcore_to_hf_needs_reference_hf_dir(tmp_path):

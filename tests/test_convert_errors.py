@@ -3,7 +3,9 @@ the problem, exit code 2, no traceback, and no output dir or `<dst>.partial` lef
 
 - known before any rank starts (checked in the launching process): a truncated safetensors
   file, a missing HF dir / config.json / weight file / indexed shard, a model family without a
-  bridge, a layout that does not divide the model, a source that is not a dist-ckpt.
+  bridge, a layout that does not divide the model, a source that is not a dist-ckpt;
+- known only in the ranks (convert is strict): an HF checkpoint missing a tensor that only one
+  of two EP ranks loads, with a tensor no rank loads; a dist-ckpt holding layers the model lacks.
 """
 
 import glob
@@ -14,7 +16,8 @@ import subprocess
 import sys
 
 import pytest
-from safetensors.torch import load_file
+import torch
+from safetensors.torch import load_file, save_file
 
 from .conftest import REPO
 
@@ -100,3 +103,16 @@ def test_mcore_source_that_is_not_a_dist_ckpt(tiny_qwen3_moe, tmp_path):
     _assert_user_error(_convert("mcore-to-hf", tiny_qwen3_moe, dst, "--hf", tiny_qwen3_moe, "--timeout", "1"),
                        f"{tiny_qwen3_moe} is not a Megatron dist-ckpt directory (no metadata.json)", dst)
 
+
+def test_hf_checkpoint_with_missing_and_unexpected_tensors(tiny_qwen3_moe, tmp_path):
+    """Expert 7 of layer 2 is loaded by EP rank 1 only; both ranks report the same line."""
+    d = _copy(tiny_qwen3_moe, tmp_path / "mismatch")
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.7.up_proj.weight"]
+    tensors["model.layers.2.mlp.shared_expert.up_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    dst = str(tmp_path / "out")
+    _assert_user_error(_convert("hf-to-mcore", d, dst, "--nproc", "2", "parallel.ep=2"),
+                       f"{d} does not match its config.json: 1 tensor missing "
+                       "(model.layers.2.mlp.experts.7.up_proj.weight), 1 tensor unexpected "
+                       "(model.layers.2.mlp.shared_expert.up_proj.weight)", dst)

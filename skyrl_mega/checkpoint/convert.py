@@ -7,7 +7,8 @@
                  the same architecture
 
 dist-ckpt reshards on load, so the layout used here need not match the one that saved it.
-The output is written to `<dst>.partial` and renamed when complete;
+Strict: the source must hold exactly the tensors the model loads (tensor_names.py), else a
+CheckpointError names them. The output is written to `<dst>.partial` and renamed when complete;
 a failure removes it. The launching process checks the inputs first (preflight.py).
 """
 
@@ -25,6 +26,8 @@ from ..errors import run_rank
 from ..megatron import parallel
 from ..megatron.model import build_bridge
 from .dist_ckpt import _unwrap
+from .tensor_names import (check_same_tensors, dist_ckpt_model_keys, hf_file_tensor_names, hf_weight_names,
+                           requested_keys)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -57,7 +60,10 @@ def hf_to_mcore(cfg, hf_dir: str, out_dir: str) -> None:  # hf_dir is cfg.model.
     from megatron.core import dist_checkpointing
 
     bridge = build_bridge(cfg)
-    models = bridge.build(load_weights=True)
+    models = bridge.build(load_weights=False)
+    check_same_tensors(f"{hf_dir} does not match its config.json", hf_weight_names(bridge, models),
+                       hf_file_tensor_names(hf_dir))
+    bridge.load_hf(models, hf_dir)
     partial = partial_dir(out_dir)
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -72,9 +78,12 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str) -> None:
 
     bridge = build_bridge(cfg)
     models = bridge.build(load_weights=False)
-    loaded = dist_checkpointing.load(_model_state(models), ckpt_dir)
+    state = _model_state(models)
+    check_same_tensors(f"{ckpt_dir} does not match {os.path.join(cfg.model.path, 'config.json')}",
+                       requested_keys(state), dist_ckpt_model_keys(ckpt_dir))
+    loaded = dist_checkpointing.load(state, ckpt_dir)
     for i, m in enumerate(models):
-        _unwrap(m).load_state_dict(loaded[f"model{i}" if len(models) > 1 else "model"], strict=False)
+        _unwrap(m).load_state_dict(loaded[f"model{i}" if len(models) > 1 else "model"])
     partial = partial_dir(out_dir)
     bridge.save_hf(models, partial)
     if dist.get_rank() == 0:

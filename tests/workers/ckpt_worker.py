@@ -1,5 +1,5 @@
-"""torchrun worker: LM training with checkpoints after steps 2 and 4; `resume*` continues from
-the checkpoint the trainer's resume picks
+"""torchrun worker: LM training with checkpoints after steps 2 and 4 (and an HF export of the
+step-2 weights); `resume*` continues from the checkpoint the trainer's resume picks
 (checkpoint.resume: auto = the latest complete one in OUT_DIR/ckpt, or an explicit path).
 
 Run: torchrun --nproc-per-node 2 tests/workers/ckpt_worker.py OUT_DIR {full|resume*} overrides...
@@ -29,7 +29,7 @@ def main():
     cfg = load_config(None, overrides)
     rank, _ = parallel.init_distributed()
     parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
-    _, models = build_model(cfg)
+    bridge, models = build_model(cfg)
     optimizer, scheduler = build_optimizer(models, cfg.optim, total_steps=STEPS)
     root = os.path.join(out_dir, "ckpt")
     start = 0
@@ -43,6 +43,8 @@ def main():
         losses[step], _ = lm_train_step(models, optimizer, scheduler, batch, mask)
         if mode == "full" and step + 1 in SAVE_AT:
             save_checkpoint(root, step + 1, models, optimizer, scheduler, {"note": "test"}, keep_last=2)
+            if step + 1 == SAVE_AT[0]:
+                bridge.save_hf(models, os.path.join(out_dir, f"hf_step_{step + 1}"))
     if rank == 0:
         json.dump({"resumed_at": start, "losses": losses}, open(os.path.join(out_dir, f"losses_{mode}.json"), "w"))
     parallel.destroy()
