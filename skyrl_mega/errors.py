@@ -8,7 +8,8 @@ process or in a torchrun rank. Out:
     later one stays quiet; the launcher reads the file and raises the error again in the
     launching process, which prints it once. Under a bare torchrun the rank prints the line.
     The rank exits with EXIT_USER_ERROR.
-Any other exception keeps its traceback (printed once, by the rank that raised it), unless it
+A PeerFailed (this rank stops because another failed) is one line, or nothing when a user error
+was already reported. Any other exception keeps its traceback (printed once, by the rank that raised it), unless it
 follows another rank's reported user error (then it is that error's consequence: a peer gone).
 """
 
@@ -25,6 +26,12 @@ class UserError(Exception):
     """A mistake the user can fix; the message says what, where and how to fix it."""
 
 
+class PeerFailed(Exception):
+    """This rank stops because another rank failed; the message names that rank and its error.
+    Reported as one line: the failing rank reports its own error (with its traceback when it is
+    not a UserError)."""
+
+
 def one_line(e: BaseException) -> str:
     """The message on one line (a multi-line message's lines joined with '; ')."""
     parts = [p.strip().lstrip("- ").strip() for p in str(e).splitlines()]
@@ -32,6 +39,16 @@ def one_line(e: BaseException) -> str:
     if len(parts) > 1 and parts[0].endswith(":"):  # "invalid config:\n  - a\n  - b" -> "invalid config: a; b"
         return f"{parts[0]} {'; '.join(parts[1:])}"
     return "; ".join(parts)
+
+
+def report_now(e: BaseException) -> None:
+    """Prints e's traceback at once and marks it reported (run_rank then exits without printing
+    it again): for an error other ranks are about to stop on, before torchrun ends this rank."""
+    import traceback
+
+    traceback.print_exception(e, file=sys.stderr)
+    sys.stderr.flush()
+    e._skyrl_reported = True  # type: ignore[attr-defined]
 
 
 def claim_error_file(message: str) -> bool:
@@ -68,7 +85,13 @@ def run_rank(main, argv: list[str]) -> int:
         if not claim_error_file(line):
             print(f"skyrl-mega: {line}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    except Exception:
+    except PeerFailed as e:
+        if not os.environ.get(ERROR_FILE_ENV) or not os.path.exists(os.environ[ERROR_FILE_ENV]):
+            print(f"skyrl-mega: stopping: {one_line(e)}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:
+        if getattr(e, "_skyrl_reported", False):
+            return 1
         path = os.environ.get(ERROR_FILE_ENV)
         if path and os.path.exists(path):  # a consequence of another rank's user error (a peer gone)
             return 1

@@ -29,7 +29,25 @@ def test_reward_function_raising_on_rank0_stops_every_rank_with_its_message(tiny
     rc = proc.wait(timeout=900)
     text = open(log).read()
     assert rc != 0, text[-3000:]
-    rank1 = "\n".join(line for line in text.splitlines() if line.startswith("[rank1]"))
-    assert "rank 0 failed" in rank1 and "reward exploded on purpose" in rank1, text[-4000:]
+    # rank 1 stops with rank 0's error as its one line; rank 0 reports its own, with traceback
+    assert "stopping: rank 0 failed in step 0 rollout: ValueError: reward exploded on purpose" in text, text[-4000:]
+    assert text.count("Traceback") == 1 and 'raise ValueError("reward exploded on purpose")' in text, text[-4000:]
     assert "Connection closed by peer" not in text, text[-4000:]
     assert time.monotonic() - t0 < 900
+
+
+def test_user_error_on_rank0_is_one_line_from_the_cli(tiny_qwen3_moe, tmp_path):
+    """A UserError raised in a step rank 0 runs alone: `skyrl-mega train` prints it as one line
+    and exits 2; no rank prints a traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [os.sys.executable, "-m", "skyrl_mega.cli", "train", "--recipe", RECIPE, f"model.path={tiny_qwen3_moe}",
+         f"output_dir={out}", f"data.train_path={tmp_path / 'd.jsonl'}",
+         "data.reward=tests.workers.raising_reward:misconfigured", "train.steps=3", "logging.progress_bar=false",
+         "logging.tensorboard=false"],
+        capture_output=True, text=True, cwd=REPO, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-4000:]
+    assert "skyrl-mega: reward misconfigured on purpose: set REWARD_TABLE" in proc.stderr, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]

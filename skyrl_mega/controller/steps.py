@@ -16,12 +16,13 @@ import torch.distributed as dist
 from ..checkpoint import find_latest, load_checkpoint, save_checkpoint
 from ..checkpoint.dist_ckpt import step_dir
 from ..devices import current_device
+from ..errors import PeerFailed, UserError, claim_error_file, one_line, report_now
 from ..rollout.errors import RolloutError, WeightSyncError
 from ..weight_sync.sync import sync_weights
 from .log import log0
 
 
-class Rank0Failed(RuntimeError):
+class Rank0Failed(PeerFailed):
     """Raised on every rank but 0 when rank 0 failed in a step it runs alone."""
 
 
@@ -48,6 +49,10 @@ def raise_everywhere(failed: bool, error: BaseException | None, what: str) -> No
     waiting in the next collective."""
     if not bcast_int(int(failed)):
         return
+    if isinstance(error, UserError):  # reported once, as one line, by the launcher
+        claim_error_file(one_line(error))
+    elif error is not None:  # printed before the others stop: torchrun may end rank 0 early
+        report_now(error)
     message = _bcast_text(f"{type(error).__name__}: {error}" if error is not None else "")
     if dist.get_rank() == 0:
         raise error
