@@ -59,7 +59,7 @@ def run_trainer(a) -> None:
 
     parallel.init_model_parallel(P, seed=1234)
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    from bridges.interface import CPU_CONFIG
+    from skyrl_mega.compat.megatron_core import CPU_CONFIG
 
     # no apex / transformer-engine kernels on the lent machines: every fusion off
     no_fusions = {k: v for k, v in CPU_CONFIG.items() if k != "use_cpu_initialization"}

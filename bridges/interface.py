@@ -16,12 +16,16 @@ import torch
 from skyrl_mega.compat.megatron_core import CPU_CONFIG
 from skyrl_mega.compat.transformers import fix_hf_config
 from skyrl_mega.megatron import specs
-from skyrl_mega.megatron.specs import te_available  # noqa: F401  (config/validate.py asks the bridges)
 
 _REGISTRY: dict[str, str] = {
     # model_type -> "module:Class"
     "qwen3_moe": "bridges.qwen3_moe:Qwen3MoeBridge",
 }
+
+
+def supported_model_types() -> list[str]:
+    """The HF model_types that have a bridge."""
+    return sorted(_REGISTRY)
 
 
 def register_bridge(model_type: str, target: str) -> None:

@@ -28,7 +28,7 @@ INDEX = "model.safetensors.index.json"
 def _supported_model_types() -> list[str]:
     from bridges import interface
 
-    return sorted(interface._REGISTRY)  # the bridge registry: model_type -> bridge class
+    return interface.supported_model_types()
 
 
 def _declared_size(path: str) -> int | None:

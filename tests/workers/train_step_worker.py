@@ -49,8 +49,9 @@ def load_batch(path):
 
 def gather_samples(local: dict, rank_has: bool):
     """{sample: tensor} from every rank (only ranks with rank_has contribute) -> merged on all."""
-    items = [None] * dist.get_world_size()
-    dist.all_gather_object(items, {k: v.tolist() for k, v in local.items()} if rank_has else {})
+    from skyrl_mega.weight_sync.collectives import all_gather_json
+
+    items = all_gather_json({str(k): v.tolist() for k, v in local.items()} if rank_has else {})
     merged = {}
     for d in items:
         for k, v in d.items():
