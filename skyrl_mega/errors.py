@@ -9,8 +9,9 @@ process or in a torchrun rank. Out:
     launching process, which prints it once. Under a bare torchrun the rank prints the line.
     The rank exits with EXIT_USER_ERROR.
 A PeerFailed (this rank stops because another failed) is one line, or nothing when a user error
-was already reported. Any other exception keeps its traceback (printed once, by the rank that raised it), unless it
-follows another rank's reported user error (then it is that error's consequence: a peer gone).
+was already reported. Any other exception keeps its traceback (printed once, by the rank that
+raised it), unless it follows another rank's reported user error (then it is that error's
+consequence: a peer gone).
 """
 
 from __future__ import annotations

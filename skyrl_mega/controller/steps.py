@@ -1,9 +1,10 @@
 """The collective steps of the RL loop that the controller (rank 0) decides and every rank runs.
 
-In: the config, the controller (rank 0; None elsewhere), the policy. Out, on every rank:
-the checkpoint resumed from (loaded) and its step, a step's rollout (rank 0 only holds the batch) after retries, a weight sync
-after retries, periodic and final checkpoints. Rank 0's decisions reach the other ranks as
-broadcast integers, so every rank takes the same branch.
+In: the config, the controller (rank 0; None elsewhere), the policy. Out, on every rank: the
+checkpoint resumed from (loaded) and its step, a step's rollout (rank 0 only holds the batch)
+after retries, a weight sync after retries, periodic and final checkpoints, and a failure of
+any step rank 0 runs alone raised on every rank. Rank 0's decisions reach the other ranks as
+broadcast integers (and its error as UTF-8 bytes), so every rank takes the same branch.
 """
 
 from __future__ import annotations
