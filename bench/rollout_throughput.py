@@ -1,7 +1,9 @@
-"""Rollout throughput on CPU: through vllm-router vs direct to one server, with and without
-route capture (R3). Not a test: prints a table and the ratios.
+"""Rollout throughput: through vllm-router vs direct to one server, with and without route
+capture (R3). Not a test: prints a table and the ratios.
 
     python bench/rollout_throughput.py [--model DIR] [--prompts 64] [--n 4] [--max-tokens 64]
+    python bench/rollout_throughput.py --device gpu --dtype bfloat16 --servers 1 --model DIR \
+        --prompts 256 --n 8 --max-tokens 256 --concurrency 512        # one GPU, CUDA graphs
 
 Configurations (each run `--repeats` times round-robin after a warm-up):
     direct      client -> server 0
@@ -97,6 +99,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF checkpoint dir (default: make-tiny qwen3_moe with head_dim=32)")
     ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs")
+    ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -122,7 +128,9 @@ def main():
     try:
         for capture in (True, False):
             tag = "capture" if capture else "no_capture"
-            cfg = ServerConfig(model=model, dtype="float32", max_model_len=512, return_routed_experts=capture)
+            cfg = ServerConfig(model=model, dtype=args.dtype, max_model_len=1024, return_routed_experts=capture,
+                               device=args.device, kv_cache_gib=args.kv_cache_gib,
+                               enforce_eager=True if args.eager or args.device == "cpu" else False)
             sm = ServerManager(cfg, num_servers=n, log_dir=os.path.join(log_dir, tag), startup_timeout_s=900)
             managers.append(sm.start())
             r1 = RouterProcess(sm.urls[:1], log_dir=os.path.join(log_dir, tag, "r1")).start()

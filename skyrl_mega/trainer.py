@@ -15,6 +15,7 @@ import sys
 import time
 
 from .config import load_config, validate_config
+from .controller import gpu_memory
 from .controller.batch_transfer import broadcast_rl_batch
 from .controller.log import log0
 from .controller.steps import (on_rank0, resume, rollout_with_retries, save_due, save_final,
@@ -46,22 +47,30 @@ def main(argv: list[str]) -> None:
                                      start) or (None, None)
         log0(f"{'resuming from step ' + str(start) if start else 'starting'}; world size {world}, "
              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}")
-        sync_with_retries(cfg, ctrl, policy, version=start)
+        initial = sync_with_retries(cfg, ctrl, policy, version=start)  # logged with the first step
 
         for step in range(start, steps):
             t0 = time.perf_counter()
-            result = rollout_with_retries(cfg, ctrl, policy, step, version=step)   # rank 0 only
-            batch, metrics = (result[0], dict(result[1])) if result else (None, {})
+            with gpu_memory.phase("rollout") as mem:
+                result = rollout_with_retries(cfg, ctrl, policy, step, version=step)   # rank 0 only
+            batch, metrics = (result[0], {**result[1], **mem}) if result else (None, {})
+            if step == start:
+                metrics.update({k.replace("weight_sync/", "initial_sync/"): v for k, v in initial.items()})
             t_rollout = time.perf_counter() - t0
-            on_rank0("putting the engines to sleep", lambda: ctrl.engines.before_training())  # colocated: sleep
+            metrics.update(on_rank0("putting the engines to sleep", lambda: ctrl.engines.before_training()) or {})
             batch = broadcast_rl_batch(batch)
             mine = batch.select(shard_for_dp(batch.lengths, mpu.get_data_parallel_world_size(),
                                              mpu.get_data_parallel_rank()))
             t1 = time.perf_counter()
-            metrics.update(train_step(policy, mine, cfg, ref))
+            with gpu_memory.phase("train") as mem:
+                metrics.update(train_step(policy, mine, cfg, ref))
+            metrics.update(mem)
             t_train = time.perf_counter() - t1
-            on_rank0("waking the engines", lambda: ctrl.engines.before_rollout())  # colocated: wake
-            metrics.update(sync_with_retries(cfg, ctrl, policy, version=step + 1))
+            metrics.update(on_rank0("waking the engines' weights", lambda: ctrl.engines.before_sync()) or {})
+            with gpu_memory.phase("sync") as mem:
+                metrics.update(sync_with_retries(cfg, ctrl, policy, version=step + 1))
+            metrics.update(mem)
+            metrics.update(on_rank0("waking the engines' KV cache", lambda: ctrl.engines.before_rollout()) or {})
             save_due(cfg, policy, ctrl, ckpt_root, step + 1)
             step_s = time.perf_counter() - t0
             metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train, "time/step_s": step_s,

@@ -25,6 +25,10 @@ def test_tiny_recipe_is_valid(tiny_qwen3_moe):
     (["parallel.pp=3", "parallel.ep=1"], 3, "4 layers are not divisible by parallel.pp=3"),
     (["model.dtype=float16"], 2, "model.dtype='float16' is not one of"),
     (["rollout.weight_transport=rdma"], 2, "rollout.weight_transport='rdma' is not one of"),
+    (["rollout.gpu_memory_utilization=1.2"], 2, "rollout.gpu_memory_utilization=1.2 must be in (0, 1]"),
+    (["rollout.engine_tp=0"], 2, "rollout.engine_tp must be >= 1"),
+    (["rollout.num_servers=2", "rollout.engine_gpus=[0]"], 2, "names 1 GPU sets for rollout.num_servers=2"),
+    (["rollout.engine_tp=2", "rollout.engine_gpus=[0]"], 2, "must list rollout.engine_tp=2 GPU index"),
 ])
 def test_bad_parallel_layouts(tiny_qwen3_moe, overrides, world, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*").replace("(", r"\(")):

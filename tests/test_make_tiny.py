@@ -47,3 +47,24 @@ def test_cli_make_tiny_and_unknown_family(tmp_path):
     assert os.path.exists(tmp_path / "m" / "tokenizer.json")
     with pytest.raises(ValueError, match="unknown model family 'llama'"):
         make_tiny("llama", str(tmp_path / "x"))
+
+
+@pytest.mark.parametrize("size, low, high", [("1b", 0.85e9, 1.15e9), ("2b", 2.2e9, 2.7e9)])
+def test_large_sizes_have_the_parameter_counts_they_claim(size, low, high):
+    """The GPU runs' shapes, counted on the meta device (nothing allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_mega.models.tiny import FAMILIES, SIZES
+
+    cfg = FAMILIES["qwen3_moe"].make_config(**SIZES[("qwen3_moe", size)])
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    assert low <= n <= high
+    if size == "2b":
+        assert n * 2 >= 4 * (1 << 30)  # the weight-sync benchmark's "MoE of at least 4 GiB bf16"
+
+
+def test_unknown_size_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no size '7b' for qwen3_moe; sizes: \\['1b', '2b', 'tiny'\\]"):
+        make_tiny("qwen3_moe", str(tmp_path / "x"), size="7b")

@@ -38,3 +38,28 @@ def test_bad_transport_choices():
         plan_placement("colocated", _rollout("shm"), cuda=True)
     with pytest.raises(ValueError, match="placement must be"):
         plan_placement("both", _rollout(), cuda=False)
+
+
+def test_colocated_engines_sleep_for_training_and_wake_weights_then_kv_cache():
+    """The loop's order on a colocated GPU: sleep after rollout, wake the weights before the sync
+    (the KV cache is not allocated while the trainer holds its memory), the KV cache after it."""
+    from skyrl_mega.controller.engines import RolloutEngines
+    from skyrl_mega.controller.placement import PlacementPlan
+
+    calls = []
+
+    class Control:
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tuple(tags or ())))
+
+    engines = RolloutEngines.__new__(RolloutEngines)
+    engines.control = Control()
+    engines.plan = PlacementPlan("colocated", "gpu", "cuda_ipc", 2)
+    m = {**engines.before_training(), **engines.before_sync(), **engines.before_rollout()}
+    assert calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
+    assert {"time/engine/sleep_s", "time/engine/wake_weights_s", "time/engine/wake_kv_s"} <= set(m)
+    engines.plan = PlacementPlan("colocated", "cpu", "shm", None)  # CPU: engines never sleep
+    assert engines.before_training() == {} and len(calls) == 3

@@ -143,7 +143,32 @@ def rollout_problems(cfg, probe: bool) -> list[str]:
     out += choice("rollout.dtype", r.dtype, ENGINE_DTYPES)
     out += choice("rollout.sleep_level", r.sleep_level, (1, 2))
     out += choice("rollout.weight_transport", r.weight_transport, ("auto", *TRANSPORTS))
-    return out + url_problems(list(r.external_urls), probe)
+    out += choice("rollout.verify_sync", r.verify_sync, ("never", "first_last", "always"))
+    return out + engine_problems(cfg) + url_problems(list(r.external_urls), probe)
+
+
+def engine_problems(cfg) -> list[str]:
+    """GPU engine settings, and (for engines started here) the installed vLLM's version."""
+    from skyrl_mega.rollout.engine_caps import UnsupportedEngine, installed
+
+    r = cfg.rollout
+    out = at_least(cfg, 1, ["rollout.engine_tp"]) + at_least(cfg, 1, ["rollout.max_num_seqs"], optional=True)
+    if r.gpu_memory_utilization is not None and not 0 < r.gpu_memory_utilization <= 1:
+        out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1] (or null)")
+    if r.engine_gpus and len(r.engine_gpus) != r.num_servers:
+        out.append(f"rollout.engine_gpus names {len(r.engine_gpus)} GPU sets for rollout.num_servers="
+                   f"{r.num_servers}: give one CUDA_VISIBLE_DEVICES string per engine, e.g. ['0', '1']")
+    for i, g in enumerate(r.engine_gpus):
+        ids = str(g).split(",")
+        if not all(x.strip().isdigit() for x in ids) or len(ids) != r.engine_tp:
+            out.append(f"rollout.engine_gpus[{i}]={g!r} must list rollout.engine_tp={r.engine_tp} GPU index(es), "
+                       f"comma-separated")
+    if not r.external_urls:
+        try:
+            installed()
+        except UnsupportedEngine as e:
+            out.append(f"rollout: {e}")
+    return out
 
 
 def url_problems(urls: list[str], probe: bool) -> list[str]:

@@ -95,11 +95,26 @@ class RolloutConfig:
     request_deadline_s: float = 300.0
     max_step_retries: int = 3  # a step whose rollout fails (e.g. a server died) is retried
     max_concurrency: int = 64
-    sleep_level: int = 1  # colocated GPU placement: engines sleep during training (1 or 2)
+    sleep_level: int = 1  # colocated GPU placement: engines sleep during training (1 or 2; 0: never)
+    # GPU engines (ignored on CPU): tensor parallel size per engine; memory as a fraction of the
+    # GPU (None: a KV cache of kv_cache_gib, which suits a GPU the trainer shares); CUDA graphs
+    # (enforce_eager None: graphs on GPU, eager on CPU); engine_gpus: CUDA_VISIBLE_DEVICES of each
+    # engine (e.g. ["0,1", "2,3"]; empty: every engine sees the node's GPUs); extra_args: passed
+    # to every vLLM server as they are
+    engine_tp: int = 1
+    gpu_memory_utilization: Optional[float] = None
+    enforce_eager: Optional[bool] = None
+    max_num_seqs: Optional[int] = None
+    engine_gpus: List[str] = field(default_factory=list)
+    extra_args: List[str] = field(default_factory=list)
     # trainer -> engine weights: auto (the placement's: cuda_ipc colocated / nccl disaggregated on
     # GPU, shm on CPU) | shm | nccl | cuda_ipc. nccl and cuda_ipc also run on CPU (gloo and
     # /dev/shm) through the same vLLM "skyrl_bucket" backend: that is how CPU boxes test them.
     weight_transport: str = "auto"
+    # per-tensor checksums on both ends of a bucketed sync (nccl, cuda_ipc): never | first_last
+    # (the sync of the initial weights and the last step's) | always; a mismatch fails the sync and the
+    # engines keep the old version
+    verify_sync: str = "first_last"
     log_dir: Optional[str] = None  # default: <output_dir>/engine_logs
 
 

@@ -13,6 +13,7 @@ import asyncio
 import os
 from dataclasses import dataclass
 
+from . import gpu_memory
 from .placement import PlacementPlan, plan_placement
 from ..rollout.client import RolloutClient, Sample, SamplingParams
 from ..rollout.control import EngineControl
@@ -39,13 +40,21 @@ class RolloutEngines:
         self.log_dir = r.log_dir or os.path.join(cfg.output_dir, "engine_logs")
         self.routes = bool(cfg.algorithm.routing_replay)
         server_cfg = None
+        gpu = self.plan.device == "gpu"
         if not r.external_urls:
             server_cfg = ServerConfig(model=cfg.model.path, dtype=r.dtype, max_model_len=r.max_model_len,
                                       kv_cache_gib=r.kv_cache_gib, seed=r.seed,
                                       return_routed_experts=self.routes, device=self.plan.device,
-                                      extra_args=self.plan.server_args())
+                                      tensor_parallel_size=r.engine_tp if gpu else 1,
+                                      gpu_memory_utilization=r.gpu_memory_utilization if gpu else None,
+                                      sleep_mode=bool(self.plan.sleep_level), enforce_eager=r.enforce_eager,
+                                      max_num_seqs=r.max_num_seqs,
+                                      extra_args=self.plan.server_args() + list(r.extra_args))
+        needs = ["rollout", "control"] + (["weight_transfer"] if self.plan.transport != "shm" else []) \
+            + (["sleep"] if self.plan.sleep_level else [])
         self.servers = ServerManager(server_cfg, num_servers=r.num_servers, external_urls=r.external_urls or None,
-                                     log_dir=self.log_dir, startup_timeout_s=r.startup_timeout_s, watch=False)
+                                     log_dir=self.log_dir, startup_timeout_s=r.startup_timeout_s, watch=False,
+                                     devices=(list(r.engine_gpus) or None) if gpu else None, needs=needs)
         self.router: RouterProcess | None = None
         self.client_kwargs = dict(max_concurrency=r.max_concurrency, deadline_s=r.request_deadline_s,
                                   return_routed_experts=self.routes, moe_layers=moe_layers,
@@ -59,7 +68,7 @@ class RolloutEngines:
         self.servers.start()
         if self.cfg.rollout.use_router:
             self.router = RouterProcess(self.servers.urls, log_dir=self.log_dir).start()
-        self.control = EngineControl(self.servers.urls)
+        self.control = EngineControl(self.servers.urls, caps=self.servers.caps)
         self.transport = self.plan.make_transport(self.control)
         return self
 
@@ -84,14 +93,26 @@ class RolloutEngines:
             self.transport.reset()
         return restarted
 
-    # -- placement ----------------------------------------------------------------------------
-    def before_training(self) -> None:
-        if self.plan.sleep_level:
-            self.control.sleep(self.plan.sleep_level)
+    # -- placement: colocated GPU engines sleep while the trainer works --------------------------
+    def before_training(self) -> dict:
+        """Sleep (level 1: weights to host memory, KV cache freed; 2: both freed)."""
+        return self._sleep_phase("engine/sleep", lambda: self.control.sleep(self.plan.sleep_level))
 
-    def before_rollout(self) -> None:
-        if self.plan.sleep_level:
-            self.control.wake_up()
+    def before_sync(self) -> dict:
+        """Wake the weights only: the sync writes them while the trainer still holds its memory."""
+        return self._sleep_phase("engine/wake_weights", lambda: self.control.wake_up(tags=["weights"]))
+
+    def before_rollout(self) -> dict:
+        """Wake the KV cache: the engine is whole again."""
+        return self._sleep_phase("engine/wake_kv", lambda: self.control.wake_up(tags=["kv_cache"]))
+
+    def _sleep_phase(self, name: str, call) -> dict:
+        """Runs a sleep/wake call where the placement sleeps engines; its time and freed memory."""
+        if not self.plan.sleep_level:
+            return {}
+        with gpu_memory.freed(name) as m:
+            call()
+        return m
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], step: int) -> list[PromptSamples]:

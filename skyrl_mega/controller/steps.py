@@ -131,15 +131,24 @@ def sync_with_retries(cfg, ctrl, policy, version: int) -> dict:
     """Collective. A sync that fails (every rank raises, e.g. a server died) restarts dead
     servers on rank 0 and sends the same weights again. Rank 0 sends, the others export."""
     transport = ctrl.engines.transport if ctrl is not None else None
+    verify = verify_due(cfg.rollout.verify_sync, version, cfg.train.steps)
+    if transport is not None and hasattr(transport, "verify"):  # the bucketed transports check sums
+        transport.verify = verify
     for attempt in range(cfg.rollout.max_step_retries + 1):
         try:
-            return sync_weights(policy.bridge, policy.models, transport, version=version)
+            out = sync_weights(policy.bridge, policy.models, transport, version=version)
+            return {**out, "weight_sync/verified": float(verify and hasattr(transport, "verify"))}
         except WeightSyncError as e:
             log0(f"weight sync {version} failed (attempt {attempt + 1}): {str(e)[:300]}")
             restarted = on_rank0(f"restarting servers after weight sync {version}",
                                  lambda: ctrl.engines.restart_dead())
             log0(f"restarted servers {restarted}; sending version {version} again")
     raise RuntimeError(f"weight sync {version} failed {cfg.rollout.max_step_retries + 1} times")
+
+
+def verify_due(when: str, version: int, steps: int) -> bool:
+    """rollout.verify_sync: never | first_last (the first sync of a run and the last) | always."""
+    return when == "always" or (when == "first_last" and version in (0, steps))
 
 
 def _trainer_state(ctrl) -> dict:

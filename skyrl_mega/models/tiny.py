@@ -1,7 +1,8 @@
-"""`skyrl-mega make-tiny`: tiny random-weight HF checkpoints for tests and the demo.
+"""`skyrl-mega make-tiny`: random-weight HF checkpoints for tests, the demo and GPU benchmarks.
 
-In: a family name and an output directory. Out: that directory holding config.json,
-model.safetensors (fp32, seeded) and a locally trained tokenizer. Nothing is downloaded.
+In: a family name, an output directory and a size (tiny by default; SIZES holds the larger
+Qwen3-MoE shapes the GPU runs use). Out: that directory holding config.json, model.safetensors
+(seeded; fp32 unless a dtype is given) and a locally trained tokenizer. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ def _nemotron3_config(**overrides):
     return NemotronHConfig(**kw)
 
 
+# Larger Qwen3-MoE shapes (same 512-token vocabulary, so the digits task still fits):
+# "1b" ~0.94B parameters (1.8 GiB bf16) for the colocated RL run; "2b" ~2.45B (4.6 GiB bf16),
+# the weight-sync benchmark's "MoE of at least 4 GiB".
+SIZES = {
+    ("qwen3_moe", "tiny"): {},
+    ("qwen3_moe", "1b"): dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=768,
+                              num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
+                              head_dim=64, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
+                              max_position_embeddings=4096, initializer_range=0.02),
+    ("qwen3_moe", "2b"): dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=1024,
+                              num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+                              head_dim=64, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
+                              max_position_embeddings=4096, initializer_range=0.02),
+}
+
+
 @dataclass(frozen=True)
 class TinyFamily:
     name: str
@@ -77,20 +94,25 @@ FAMILIES = {
 }
 
 
-def make_tiny(family: str, out_dir: str, seed: int = 0, **config_overrides) -> str:
-    """Writes a tiny random-weight checkpoint of `family` to `out_dir`; returns out_dir."""
+def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtype: str = "float32",
+              device: str = "cpu", **config_overrides) -> str:
+    """Writes a random-weight checkpoint of `family` (shape `size`) to `out_dir`; returns out_dir."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+    if (family, size) not in SIZES and size != "tiny":
+        raise ValueError(f"no size {size!r} for {family}; sizes: "
+                         f"{sorted(s for f, s in SIZES if f == family) or ['tiny']}")
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = train_tokenizer(VOCAB_SIZE)
-    config = FAMILIES[family].make_config(**config_overrides)
+    config = FAMILIES[family].make_config(**{**SIZES.get((family, size), {}), **config_overrides})
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):  # a GPU initialises the large shapes in seconds
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -16,6 +16,9 @@ Endpoints (vLLM 0.30.0 with VLLM_SERVER_DEV_MODE=1, vllm/entrypoints/serve/dev/*
     POST /sleep?level=N, POST /wake_up, GET /is_sleeping   (no-ops on CPU)
     POST /collective_rpc {"method", "kwargs": {str: str}, "timeout"}  -> {"results": [per worker]}
     POST /update_weight_version {"new_version"}, GET /weight_info -> {"weight_version"}
+        (0.30 only; where a server lacks them, as 0.26 does, the weight version is kept by the
+        project's worker extension instead: collective_rpc skyrl_set_weight_version /
+        skyrl_served_weight_version. EngineCaps, engine_caps.py, says which.)
 """
 
 from __future__ import annotations
@@ -63,11 +66,20 @@ def http_json(method: str, url: str, body: Any = None, timeout_s: float = 60.0) 
 class EngineControl:
     """Fan-out control calls over the servers' base URLs (not the router's)."""
 
-    def __init__(self, urls: Sequence[str], timeout_s: float = 120.0):
+    def __init__(self, urls: Sequence[str], timeout_s: float = 120.0, caps=None):
         if not urls:
             raise ValueError("EngineControl needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
+        self._caps = caps  # engine_caps.EngineCaps of the servers; asked of the first when None
+
+    @property
+    def caps(self):
+        if self._caps is None:
+            from .engine_caps import served
+
+            self._caps = served(self.urls[0])
+        return self._caps
 
     def _all(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> dict[str, Any]:
         t = timeout_s if timeout_s is not None else self.timeout_s
@@ -106,8 +118,14 @@ class EngineControl:
     def sleep(self, level: int = 1) -> None:
         self._all("POST", f"/sleep?level={int(level)}")
 
-    def wake_up(self) -> None:
-        self._all("POST", "/wake_up")
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wakes everything, or only `tags` ("weights", "kv_cache"): weights before a sync,
+        the KV cache after it, so the cache is not allocated while the trainer holds memory."""
+        q = ("?" + urllib.parse.urlencode([("tags", t) for t in tags])) if tags else ""
+        self._all("POST", "/wake_up" + q)
+
+    def is_sleeping(self) -> dict[str, bool]:
+        return {u: bool((r or {}).get("is_sleeping")) for u, r in self._all("GET", "/is_sleeping").items()}
 
     def health(self) -> dict[str, bool]:
         out = {}
@@ -137,7 +155,13 @@ class EngineControl:
         return out
 
     def set_weight_version(self, version: str | int) -> None:
-        self._all("POST", "/update_weight_version", {"new_version": str(version)})
+        if self.caps.has("/update_weight_version"):
+            self._all("POST", "/update_weight_version", {"new_version": str(version)})
+        else:
+            self.collective_rpc("skyrl_set_weight_version", {"version": str(version)})
 
     def weight_versions(self) -> dict[str, str | None]:
-        return {u: (r or {}).get("weight_version") for u, r in self._all("GET", "/weight_info").items()}
+        if self.caps.has("/weight_info"):
+            return {u: (r or {}).get("weight_version") for u, r in self._all("GET", "/weight_info").items()}
+        return {u: (r[0].get("weight_version") if r else None)
+                for u, r in self.collective_rpc("skyrl_served_weight_version").items()}

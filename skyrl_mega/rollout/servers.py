@@ -28,10 +28,19 @@ CPU facts baked into the defaults (vllm-cpu 0.30.0, measured 2026-11-30):
 - Each API server has two children (EngineCore, Worker); all share its process group.
   When the engine dies the API server exits (code 0) and the watcher restarts it.
 - Restarts reuse the port, so a vllm-router in front keeps its worker list.
+
+Versions and GPUs: the flags a vLLM version needs come from engine_caps (checked against the
+supported range before any server starts; each started server is then asked what it serves and
+must serve what the run `needs`). GPU settings: tensor parallel size, KV cache bytes (with a low
+--gpu-memory-utilization so vLLM's start-up check passes beside a trainer) or a memory fraction,
+sleep mode, CUDA graphs unless enforce_eager, CUDA_VISIBLE_DEVICES per engine (`devices`). The
+launcher's torchrun variables never reach an engine (they made a GPU engine join the trainer's
+rendezvous and hang).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import sys
@@ -40,10 +49,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from . import engine_caps
+from .engine_caps import EngineCaps
 from .errors import ServerStartError
 from ..ports import free_port, port_is_free
 from .procs import ChildProcess, http_status, wait_healthy
 
+TORCHRUN_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                          "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 PLUGIN_WORKER_EXTENSION = "skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension"
 
 
@@ -57,7 +70,6 @@ class ServerConfig:
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU; --kv-cache-memory-bytes on GPU
     seed: int = 0
     return_routed_experts: bool = True  # --enable-return-routed-experts
-    scale_out: bool = True  # --enable-scale-out: token-id endpoint /inference/v1/generate
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE=1: /pause /resume /collective_rpc /sleep ...
     enforce_eager: bool | None = None  # None: True on CPU (route capture needs it, see module doc)
     worker_extension_cls: str | None = PLUGIN_WORKER_EXTENSION
@@ -70,7 +82,12 @@ class ServerConfig:
     max_logprobs: int | None = None
     served_model_name: str | None = None
     host: str = "127.0.0.1"
-    device: str = "cpu"  # "cpu" or "gpu": only changes how the KV cache is sized
+    device: str = "cpu"  # "cpu" or "gpu"
+    # GPU only: engine tensor parallel size; memory as a fraction of the GPU (None: KV cache of
+    # kv_cache_gib, which suits a GPU the trainer shares); sleep mode for colocated engines
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    sleep_mode: bool = False  # --enable-sleep-mode (colocated engines sleep while training)
     omp_threads_bind: str | None = None  # None: one slice of the allowed cores per server
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -84,8 +101,13 @@ class ServerConfig:
             raise ValueError(f"kv_cache_gib must be a positive integer, got {self.kv_cache_gib}")
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
-    def argv(self, port: int) -> list[str]:
+    def argv(self, port: int, engine_flags: Sequence[str] = ()) -> list[str]:
+        """The server's command line; `engine_flags` are the version's own (EngineCaps.server_flags)."""
         a = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
@@ -96,10 +118,9 @@ class ServerConfig:
             "--seed", str(self.seed),
             "--disable-uvicorn-access-log",
         ]
+        a += list(engine_flags)
         if self.return_routed_experts:
             a.append("--enable-return-routed-experts")
-        if self.scale_out:
-            a.append("--enable-scale-out")
         if self.enforce_eager or (self.enforce_eager is None and self.device == "cpu"):
             a.append("--enforce-eager")
         chunked = self.chunked_prefill if self.chunked_prefill is not None else self.device != "cpu"
@@ -118,17 +139,33 @@ class ServerConfig:
         if self.served_model_name:
             a += ["--served-model-name", self.served_model_name]
         if self.device == "gpu":
-            a += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib) << 30)]
+            if self.gpu_memory_utilization is not None:
+                a += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+            else:
+                # vLLM still checks free memory >= utilization x total at start: on a GPU the
+                # trainer shares, the default 0.9 fails; the KV cache is sized by bytes anyway
+                a += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib) << 30), "--gpu-memory-utilization", "0.05"]
+            if self.tensor_parallel_size > 1:
+                a += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+            if self.sleep_mode:
+                a.append("--enable-sleep-mode")
         return a + list(self.extra_args)
 
-    def env(self, omp_bind: str | None) -> dict[str, str]:
-        e = dict(os.environ)
+    def env(self, omp_bind: str | None, cuda_devices: str | None = None) -> dict[str, str]:
+        # The launcher's torchrun variables stay behind: with them a GPU engine's own process
+        # group joins the TRAINER's rendezvous (TORCHELASTIC_USE_AGENT_STORE, MASTER_PORT, ...)
+        # and its start hangs (seen with vLLM 0.26 on an H200, colocated under torchrun).
+        e = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
         e.setdefault("PYTHONUNBUFFERED", "1")
+        if cuda_devices is not None:  # this engine's GPUs (several engines per node)
+            e["CUDA_VISIBLE_DEVICES"] = cuda_devices
         if self.device == "cpu":
             e["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gib))
             bind = self.omp_threads_bind or omp_bind
             if bind:
                 e["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        elif importlib.util.find_spec("flashinfer") is None:  # GPU without flashinfer: torch sampler
+            e.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         if self.dev_mode:
             e["VLLM_SERVER_DEV_MODE"] = "1"
         e.update(self.extra_env)
@@ -162,6 +199,8 @@ class VLLMServer:
         port: int | None = None,
         omp_bind: str | None = None,
         url: str | None = None,
+        engine_flags: Sequence[str] = (),
+        cuda_devices: str | None = None,
     ):
         self.index = index
         self.config = config
@@ -177,9 +216,9 @@ class VLLMServer:
             self.url = f"http://{config.host}:{self.port}"
             self.child = ChildProcess(
                 name=f"vllm-server-{index}",
-                argv=config.argv(self.port),
+                argv=config.argv(self.port, engine_flags),
                 log_path=os.path.join(log_dir, f"vllm_server_{index}.log"),
-                env=config.env(omp_bind),
+                env=config.env(omp_bind, cuda_devices),
             )
 
     @property
@@ -242,7 +281,11 @@ class ServerManager:
         on_restart=None,
         ports: Sequence[int] | None = None,
         cores: Sequence[int] | None = None,
+        devices: Sequence[str] | None = None,
+        needs: Sequence[str] = ("rollout",),
     ):
+        self.needs = tuple(needs)  # engine_caps.NEEDS keys every server must serve
+        self.caps: EngineCaps | None = None  # what the servers run (after start())
         if external_urls:
             self.servers = [VLLMServer(i, url=u) for i, u in enumerate(external_urls)]
         else:
@@ -250,12 +293,17 @@ class ServerManager:
                 raise ValueError("ServerManager needs a ServerConfig or external_urls")
             if num_servers < 1:
                 raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+            if devices is not None and len(devices) != num_servers:
+                raise ValueError(f"devices names {len(devices)} GPU sets for {num_servers} servers")
             binds = core_slices(num_servers, cores) if config.device == "cpu" else [None] * num_servers
+            flags = engine_caps.installed().server_flags()  # UnsupportedEngine before any start
             self.servers = [
                 VLLMServer(
                     i, config, log_dir,
                     port=(ports[i] if ports else None),
                     omp_bind=binds[i],
+                    engine_flags=flags,
+                    cuda_devices=(devices[i] if devices is not None else None),
                 )
                 for i in range(num_servers)
             ]
@@ -283,6 +331,10 @@ class ServerManager:
             for s in self.servers:
                 waited = s.wait_healthy(self.startup_timeout_s)
                 self._event(f"server {s.index} healthy at {s.url} after {waited:.1f}s")
+            for s in self.servers:  # each server says what it serves; the run's needs must be there
+                caps = engine_caps.served(s.url)
+                caps.require(s.url, *self.needs)
+                self.caps = self.caps or caps
         except BaseException:
             self.stop()
             raise

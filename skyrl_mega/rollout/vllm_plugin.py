@@ -16,6 +16,8 @@
    skyrl_mega/weight_sync/transports/shm.py; the manifest is JSON, the files safetensors):
        skyrl_load_weights(manifest)   manifest = JSON {"files": [safetensors paths], "version": v}
        skyrl_weight_version()
+       skyrl_set_weight_version(version) / skyrl_served_weight_version()   the served version
+                                      where vLLM has no /update_weight_version (0.26)
    reachable over HTTP as POST /collective_rpc {"method": "skyrl_load_weights",
    "kwargs": {"manifest": "<json>"}} (vLLM passes only string args over HTTP).
 
@@ -108,6 +110,14 @@ class SkyrlWorkerExtension:
     def skyrl_set_moe_reload_fix(self, enabled: str = "1") -> dict:
         """Switches the CPU MoE reload fix on ("1") or off ("0") in this worker (for tests)."""
         return set_enabled(str(enabled).lower() in ("1", "true", "on", "yes"))
+
+    def skyrl_set_weight_version(self, version: str) -> dict:
+        """The served weight version where vLLM keeps none itself (0.26: no /update_weight_version)."""
+        self._skyrl_served_version = str(version)
+        return {"weight_version": self._skyrl_served_version}
+
+    def skyrl_served_weight_version(self) -> dict:
+        return {"weight_version": getattr(self, "_skyrl_served_version", None)}
 
     def skyrl_weight_version(self) -> dict:
         return {"version": getattr(self, "_skyrl_weight_version", None), "rank": int(getattr(self, "rank", 0))}

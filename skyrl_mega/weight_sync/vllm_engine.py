@@ -192,6 +192,10 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             torch.cuda.synchronize(self.device)
         self.model.load_weights(weights=weights)
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:  # abstract in vLLM 0.26's base
+        raise NotImplementedError("the trainer side of skyrl_bucket is skyrl_mega.weight_sync (sync.py)")
+
     def shutdown(self) -> None:
         if self.comm is not None:
             self.comm.close()

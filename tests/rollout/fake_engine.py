@@ -1,7 +1,8 @@
 """A stand-in for a vLLM server process (for fast process-management tests, no vLLM).
 
-python fake_engine.py PORT [--grandchild]: serves GET /health and POST /inference/v1/generate
-(a deterministic answer in vLLM's format) on 127.0.0.1:PORT; with --grandchild it first
+python fake_engine.py PORT [--grandchild]: serves GET /health, GET /version and GET /openapi.json
+(as vLLM 0.30 would, listing its own paths) and POST /inference/v1/generate (a deterministic
+answer in vLLM's format) on 127.0.0.1:PORT; with --grandchild it first
 starts a `sleep` child, like vLLM's EngineCore/Worker, to check that the whole process
 group is stopped. Writes its pid and the grandchild's pid to stdout.
 """
@@ -19,6 +20,15 @@ import numpy as np  # noqa: E402
 
 async def health(request):
     return web.Response(text="")
+
+
+async def version(request):
+    return web.json_response({"version": "0.30.0"})
+
+
+async def openapi(request):
+    paths = sorted({r.resource.canonical for r in request.app.router.routes()})
+    return web.json_response({"paths": {p: {} for p in paths}})
 
 
 async def generate(request):
@@ -45,6 +55,8 @@ def main():
         print(f"grandchild {gc.pid}", flush=True)
     app = web.Application()
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/inference/v1/generate", generate)
     web.run_app(app, host="127.0.0.1", port=port, print=None)
 

@@ -27,7 +27,7 @@ FAKE = os.path.join(os.path.dirname(__file__), "fake_engine.py")
 class FakeConfig(ServerConfig):
     """ServerConfig whose command runs the fake engine instead of vLLM."""
 
-    def argv(self, port):
+    def argv(self, port, engine_flags=()):
         return [sys.executable, FAKE, str(port), "--grandchild"]
 
 
@@ -126,12 +126,12 @@ def test_manager_gives_up_after_max_restarts(tmp_path):
 
 
 class CrashingConfig(ServerConfig):
-    def argv(self, port):
+    def argv(self, port, engine_flags=()):
         return [sys.executable, "-c", "import sys; print('boom: bad model path'); sys.exit(3)"]
 
 
 class HangingConfig(ServerConfig):
-    def argv(self, port):
+    def argv(self, port, engine_flags=()):
         return [sys.executable, "-c", "import time; print('loading...', flush=True); time.sleep(60)"]
 
 

@@ -17,6 +17,7 @@ import pytest
 from skyrl_mega.rollout import r3_wire
 from skyrl_mega.rollout.client import RolloutClient, SamplingParams
 from skyrl_mega.rollout.control import EngineControl
+from skyrl_mega.rollout.engine_caps import EngineCaps
 from skyrl_mega.rollout.errors import RolloutBadRequestError, RolloutConnectionError, RolloutError, RolloutTimeoutError
 from skyrl_mega.rollout.router import RouterProcess
 from skyrl_mega.rollout.servers import ServerConfig, ServerManager
@@ -287,6 +288,15 @@ def test_control_calls_reach_every_server(stack):
     ctl.set_weight_version("0")
     assert ctl.weight_versions() == {u: "0" for u in ctl.urls}
     assert ctl.collective_rpc("skyrl_weight_version") == {u: [{"version": None, "rank": 0}] for u in ctl.urls}
+    assert ctl.caps.version.startswith("0.30") and ctl.caps.has("/weight_info")
+    # a vLLM without /update_weight_version and /weight_info (0.26): the worker extension keeps it
+    no_version_api = EngineCaps("0.26.0", frozenset(p for p in ctl.caps.endpoints
+                                                    if p not in ("/weight_info", "/update_weight_version")))
+    old = EngineControl(ctl.urls, caps=no_version_api)
+    assert old.weight_versions() == {u: None for u in ctl.urls}
+    old.set_weight_version("7")
+    assert old.weight_versions() == {u: "7" for u in ctl.urls}
+    assert ctl.weight_versions() == {u: "0" for u in ctl.urls}  # vLLM's own record is untouched
     with pytest.raises(ValueError):
         ctl.pause("freeze")
     gen = run(rollout(url, [[5, 6, 7]], SamplingParams(max_tokens=4, seed=0)))
@@ -404,19 +414,11 @@ def _metrics_text(server_url):
     return urllib.request.urlopen(f"{server_url}/metrics", timeout=10).read().decode()
 
 
-def _generated_tokens(server_url):
-    return _metric(_metrics_text(server_url), "generation_tokens_total")
-
-
-def _wait_generation_started(server_url, max_tokens_done, timeout_s):
-    """Until the engine's Prometheus metrics show requests running while its generated-token
-    counter is still below `max_tokens_done`."""
+def _wait_generation_started(server_url, timeout_s):
+    """Until the engine's Prometheus metrics show requests running."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = _metrics_text(server_url)
-        done = _metric(text, "generation_tokens_total")
-        if _metric(text, "num_requests_running") > 0:
-            assert done < max_tokens_done, f"the batch ran {done} tokens before it was seen running"
+        if _metric(_metrics_text(server_url), "num_requests_running") > 0:
             return
         time.sleep(0.02)
     raise AssertionError(f"no request ran on {server_url} within {timeout_s}s")
@@ -432,14 +434,16 @@ def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
     assert victims
 
     async def go():
-        patient = RolloutClient(url, deadline_s=180, max_retries=100, backoff_max_s=2.0, **MOE)
+        # bounded by the deadline alone: a restart on a loaded box may take minutes
+        patient = RolloutClient(url, deadline_s=360, max_retries=1_000_000, backoff_max_s=2.0, **MOE)
         impatient = RolloutClient(url, deadline_s=4.0, max_retries=100, backoff_max_s=0.5)
         async with patient, impatient:
-            # Kill on an observed event, not after a sleep: the engine reports requests running
-            # with most of the batch's tokens still to generate (each needs 400 decode steps).
-            before = await asyncio.to_thread(_generated_tokens, server.url)
+            # Kill on observed events, never after a sleep: once the engine reports requests
+            # running, pause it with the requests frozen in flight (keep), so however loaded the
+            # box is the batch cannot finish before the kill lands.
             batch = asyncio.ensure_future(patient.generate_batch(ps, sampling))
-            await asyncio.to_thread(_wait_generation_started, server.url, before + len(ps) * sampling.n * 400 // 2, 120)
+            await asyncio.to_thread(_wait_generation_started, server.url, 120)
+            await asyncio.to_thread(EngineControl([server.url], timeout_s=120).pause, "keep")
             assert not batch.done()
             for pid in victims:  # the engine's worker dies, as in a real crash
                 os.kill(pid, signal.SIGKILL)
@@ -453,7 +457,7 @@ def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
             gens = await batch
             return gens, time.monotonic() - t_kill, patient.stats
 
-    gens, recovered_s, stats = run(go(), timeout=240)
+    gens, recovered_s, stats = run(go(), timeout=480)
     assert server.restarts == 1 and server.child.pid != leader, sm.events
     assert any("restarting" in e for e in sm.events)
     assert stats["retries"] > 0

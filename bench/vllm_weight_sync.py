@@ -1,0 +1,194 @@
+"""Weight sync into a REAL vLLM GPU engine by CUDA IPC (colocated: trainer and engine on one GPU).
+
+    python bench/vllm_weight_sync.py --model runs/qwen3_moe_2b --out runs/bench_ws_vllm
+    (make the model first: skyrl-mega make-tiny qwen3_moe runs/qwen3_moe_2b --size 2b
+     --dtype bfloat16 --device cuda; ~2.45B parameters, 4.6 GiB bf16)
+
+One process: a world-size-1 Megatron trainer (bf16, local spec, distributed-optimizer DDP, so
+its parameters sit in one contiguous buffer) and one vLLM server started with the project's
+`skyrl_bucket` weight-transfer backend. The trainer's weights are the checkpoint's plus noise,
+so the engine differs from the trainer until a sync lands. Measured in this one run:
+- a plain device-to-device copy of the model's byte count (torch copy_, the ceiling), GB/s;
+- the end-to-end sync (pause, plan check, export, CUDA IPC rounds into vLLM's own parameters via
+  /update_weights, finish, resume), unverified, median of --repeats, GB/s and the ratio to D2D;
+- a verified sync (per-tensor checksums on both ends) and a corrupted bucket (one byte flipped
+  after the checksums were taken) that must fail while the engine keeps its version;
+- the engine's sampled-token logprobs vs the trainer's own (Megatron) logprobs on the same
+  tokens: before any sync (they differ) and after (bf16 agreement).
+Writes OUT/results.json and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=1024)
+    ap.add_argument("--noise", type=float, default=0.02)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+
+    import torch
+
+    from bridges import bridge_for
+    from skyrl_mega.compat.megatron_core import CPU_CONFIG
+    from skyrl_mega.controller.placement import PlacementPlan
+    from skyrl_mega.megatron import forward, parallel
+    from skyrl_mega.rollout.client import RolloutClient, SamplingParams
+    from skyrl_mega.rollout.control import EngineControl
+    from skyrl_mega.rollout.errors import WeightSyncError
+    from skyrl_mega.rollout.servers import ServerConfig, ServerManager
+    from skyrl_mega.weight_sync import CudaIpcTransport, sync_weights
+    from skyrl_mega.weight_sync.export import get_exporter
+    from tests.support.faults import faulty, first_packed_offset
+
+    res: dict = {"device": torch.cuda.get_device_name(), "model": a.model}
+
+    def save():
+        with open(os.path.join(a.out, "results.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    parallel.init_distributed()
+
+    class P:
+        tp = pp = cp = ep = 1
+        etp = None
+
+    parallel.init_model_parallel(P, seed=1234)
+    plan = PlacementPlan("colocated", "gpu", "cuda_ipc", None)
+    cfg = ServerConfig(model=a.model, dtype="bfloat16", device="gpu", max_model_len=512, kv_cache_gib=2,
+                       enforce_eager=True, return_routed_experts=False, extra_args=plan.server_args())
+    t = time.perf_counter()
+    sm = ServerManager(cfg, log_dir=os.path.join(a.out, "engine_logs"), startup_timeout_s=600,
+                       needs=("rollout", "control", "weight_transfer")).start()
+    res["engine_start_s"] = time.perf_counter() - t
+    try:
+        ctl = EngineControl(sm.urls, caps=sm.caps, timeout_s=600)
+        res["vllm"] = sm.caps.version
+        no_fusions = {k: v for k, v in CPU_CONFIG.items() if k != "use_cpu_initialization"}
+        bridge = bridge_for(a.model, dtype=torch.bfloat16, spec="local", sequence_parallel=False, **no_fusions)
+        t = time.perf_counter()
+        models = bridge.build(load_weights=True, wrap_with_ddp=True, ddp_config=dict(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            overlap_param_gather=False, average_in_collective=False))
+        res["trainer_build_s"] = time.perf_counter() - t
+        g = torch.Generator(device="cuda").manual_seed(1)
+        with torch.no_grad():
+            for p in models[0].parameters():
+                p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype) * a.noise)
+        torch.cuda.synchronize()
+
+        prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(24)] for i in range(8)]
+        sp = SamplingParams(max_tokens=32, n=1, temperature=1.0, seed=11)
+
+        def engine_samples():
+            async def go():
+                async with RolloutClient(sm.urls[0], deadline_s=300, return_routed_experts=False) as c:
+                    return await c.generate_batch(prompts, sp)
+            return asyncio.run(go())
+
+        def trainer_logprobs(prompt, tokens):
+            ids = torch.tensor([prompt + tokens], device="cuda")
+            pos = torch.arange(ids.shape[1], device="cuda")[None]
+            with torch.no_grad():
+                out = forward.run_microbatches(models, [{"input_ids": ids, "position_ids": pos}],
+                                               lambda mb, o: o.detach().float(), forward_only=True,
+                                               collect_non_loss_data=True)
+            lp = torch.log_softmax(out[0][0], -1)
+            p = len(prompt)
+            return lp[p - 1: p - 1 + len(tokens)].gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+
+        def agreement(label):
+            gens = engine_samples()
+            d = torch.cat([(torch.tensor(s.logprobs, device="cuda") - trainer_logprobs(gn.prompt_token_ids,
+                                                                                       s.token_ids)).abs()
+                           for gn in gens for s in gn.samples])
+            res[label] = {"tokens": int(d.numel()), "max_abs": float(d.max()), "mean_abs": float(d.mean())}
+            print(f"[bench] {label}: {res[label]}", flush=True)
+            save()
+
+        agreement("logprobs_before_sync")
+        transport = faulty(CudaIpcTransport)(ctl, zero_copy=True, timeout_s=600)
+        bucket = a.bucket_mb << 20
+
+        def timed(version, verify=False):
+            transport.verify = verify
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            m = sync_weights(bridge, models, transport, version=version, bucket_bytes=bucket)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0, m
+
+        dt, m = timed(1, verify=True)  # plans, IPC handles, first reload: also the verified sync
+        res["verified_sync"] = {"seconds": dt, "versions": ctl.weight_versions(), "bytes": m["weight_sync/bytes"],
+                                "tensors": m["weight_sync/tensors"], "buckets": m["weight_sync/buckets"]}
+        assert set(res["verified_sync"]["versions"].values()) == {"1"}, res["verified_sync"]
+        agreement("logprobs_after_sync")
+        nbytes = int(m["weight_sync/bytes"])
+        times = [timed(2 + i)[0] for i in range(a.repeats)]
+        res["sync"] = {"seconds": times, "median_s": statistics.median(times),
+                       "GBps": nbytes / statistics.median(times) / 1e9, "bytes": nbytes}
+
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        ts = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        del src, dst
+        torch.cuda.empty_cache()
+        res["d2d"] = {"median_s": statistics.median(ts), "GBps": nbytes / statistics.median(ts) / 1e9}
+        res["sync_vs_d2d"] = res["d2d"]["median_s"] / res["sync"]["median_s"]
+        print(f"[bench] sync {res['sync']['GBps']:.1f} GB/s, d2d {res['d2d']['GBps']:.1f} GB/s: "
+              f"{100 * res['sync_vs_d2d']:.1f}%", flush=True)
+        save()
+
+        before = ctl.weight_versions()
+        # a bucket with a packed (staged) tensor: direct tensors are read from the trainer's own
+        # parameters, so flipping a byte there would change the trainer, not the transfer
+        sync_plan = get_exporter(bridge, models, bucket, "auto").plan()
+        transport.corrupt_bucket = next(b.index for b in sync_plan.buckets if first_packed_offset("ipc", b) is not None)
+        res["corrupt_bucket"] = transport.corrupt_bucket
+        try:
+            timed(99, verify=True)
+            res["corrupt"] = {"caught": False}
+        except WeightSyncError as e:
+            res["corrupt"] = {"caught": True, "error": str(e)[:300]}
+        transport.corrupt_bucket = None
+        res["corrupt"]["versions_before"] = before
+        res["corrupt"]["versions_after"] = ctl.weight_versions()
+        res["corrupt"]["paused_after"] = ctl.is_paused()
+        ctl.resume()  # a failed update leaves the engines paused on the old version
+        agreement("logprobs_after_corrupt")
+        dt, _ = timed(100, verify=True)
+        res["recovered_sync"] = {"seconds": dt, "versions": ctl.weight_versions()}
+        save()
+    finally:
+        sm.stop()
+        parallel.destroy()
+    print(json.dumps(res, indent=1, default=str))
+    ok = (res.get("corrupt", {}).get("caught") and res["corrupt"]["versions_after"] == res["corrupt"]["versions_before"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
