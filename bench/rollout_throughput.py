@@ -66,9 +66,13 @@ def make_prompts(k: int, seed: int = 0):
     return [rng.integers(3, 512, size=int(rng.integers(16, 48))).tolist() for _ in range(k)]
 
 
+ROUTES: dict = {}  # moe_layers and num_experts of the model (read from its config.json in main)
+
+
 async def one_run(url, prompts, sampling, capture, concurrency):
+    routes = ROUTES if capture else {"moe_layers": None, "num_experts": None}
     async with RolloutClient(url, max_concurrency=concurrency, deadline_s=900, return_routed_experts=capture,
-                             moe_layers=[1, 2, 3] if capture else None, num_experts=8 if capture else None) as c:
+                             **routes) as c:
         gens = await c.generate_batch(prompts, sampling)
     if capture:
         assert all(s.routed_experts is not None for g in gens for s in g.samples)
@@ -117,6 +121,12 @@ def main():
         from skyrl_mega.models.tiny import make_tiny
 
         model = make_tiny("qwen3_moe", os.path.join(tmp, "tiny"), head_dim=32)  # CPU attention needs >= 32
+    import json
+
+    from skyrl_mega.rollout.r3_wire import moe_layer_ids
+
+    hf = json.load(open(os.path.join(model, "config.json")))
+    ROUTES.update(moe_layers=moe_layer_ids(hf), num_experts=int(next(hf[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in hf)))
     log_dir = args.log_dir or os.path.join(tmp, "logs")
     prompts = make_prompts(args.prompts)
     sampling = SamplingParams(max_tokens=args.max_tokens, n=args.n, temperature=1.0, seed=0, ignore_eos=True)

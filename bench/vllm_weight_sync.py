@@ -3,14 +3,19 @@
     python bench/vllm_weight_sync.py --model runs/qwen3_moe_2b --out runs/bench_ws_vllm
     (make the model first: skyrl-mega make-tiny qwen3_moe runs/qwen3_moe_2b --size 2b
      --dtype bfloat16 --device cuda; ~2.45B parameters, 4.6 GiB bf16)
+    python bench/vllm_weight_sync.py --model runs/qwen3_moe_8b --random --out ...
+    (--random: a --config-only model dir; the engine starts with --load-format dummy and the
+     trainer from random init: no checkpoint on disk, for the large shapes)
 
 One process: a world-size-1 Megatron trainer (bf16, local spec, distributed-optimizer DDP, so
 its parameters sit in one contiguous buffer) and one vLLM server started with the project's
 `skyrl_bucket` weight-transfer backend. The trainer's weights are the checkpoint's plus noise,
 so the engine differs from the trainer until a sync lands. Measured in this one run:
 - a plain device-to-device copy of the model's byte count (torch copy_, the ceiling), GB/s;
-- the end-to-end sync (pause, plan check, export, CUDA IPC rounds into vLLM's own parameters via
-  /update_weights, finish, resume), unverified, median of --repeats, GB/s and the ratio to D2D;
+- the first sync (verified; vLLM's layer-wise reload, after which the engine learns where each
+  tensor lands: vllm_engine.py), then, with new trainer weights, the end-to-end sync (pause,
+  plan check, export, CUDA IPC rounds copied straight into vLLM's parameters, finish, resume),
+  unverified, median of --repeats, GB/s and the ratio to D2D;
 - a verified sync (per-tensor checksums on both ends) and a corrupted bucket (one byte flipped
   after the checksums were taken) that must fail while the engine keeps its version;
 - the engine's sampled-token logprobs vs the trainer's own (Megatron) logprobs on the same
@@ -33,6 +38,16 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 
+def engine_notes(log_dir: str) -> list[str]:
+    """The engine's own lines about how it loads the weights (reload or direct copies)."""
+    out = []
+    for root, _, files in os.walk(log_dir):
+        for f in files:
+            with open(os.path.join(root, f), errors="replace") as fh:
+                out += [ln.strip()[-240:] for ln in fh if "skyrl_bucket:" in ln]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -40,6 +55,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--noise", type=float, default=0.02)
+    ap.add_argument("--random", action="store_true", help="no checkpoint: dummy engine weights, random trainer")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
 
@@ -72,7 +88,8 @@ def main() -> int:
     parallel.init_model_parallel(P, seed=1234)
     plan = PlacementPlan("colocated", "gpu", "cuda_ipc", None)
     cfg = ServerConfig(model=a.model, dtype="bfloat16", device="gpu", max_model_len=512, kv_cache_gib=2,
-                       enforce_eager=True, return_routed_experts=False, extra_args=plan.server_args())
+                       enforce_eager=True, return_routed_experts=False,
+                       extra_args=plan.server_args() + (["--load-format", "dummy"] if a.random else []))
     t = time.perf_counter()
     sm = ServerManager(cfg, log_dir=os.path.join(a.out, "engine_logs"), startup_timeout_s=600,
                        needs=("rollout", "control", "weight_transfer")).start()
@@ -83,15 +100,21 @@ def main() -> int:
         no_fusions = {k: v for k, v in CPU_CONFIG.items() if k != "use_cpu_initialization"}
         bridge = bridge_for(a.model, dtype=torch.bfloat16, spec="local", sequence_parallel=False, **no_fusions)
         t = time.perf_counter()
-        models = bridge.build(load_weights=True, wrap_with_ddp=True, ddp_config=dict(
-            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        models = bridge.build(load_weights=not a.random, wrap_with_ddp=True, ddp_config=dict(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=False, overlap_grad_reduce=False,
             overlap_param_gather=False, average_in_collective=False))
         res["trainer_build_s"] = time.perf_counter() - t
         g = torch.Generator(device="cuda").manual_seed(1)
-        with torch.no_grad():
-            for p in models[0].parameters():
-                p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype) * a.noise)
-        torch.cuda.synchronize()
+
+        def perturb():  # new trainer weights: the engine differs until a sync lands
+            with torch.no_grad():
+                for p in models[0].parameters():
+                    p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype)
+                           * a.noise)
+            torch.cuda.synchronize()
+
+        if not a.random:
+            perturb()
 
         prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(24)] for i in range(8)]
         sp = SamplingParams(max_tokens=32, n=1, temperature=1.0, seed=11)
@@ -139,10 +162,18 @@ def main() -> int:
                                 "tensors": m["weight_sync/tensors"], "buckets": m["weight_sync/buckets"]}
         assert set(res["verified_sync"]["versions"].values()) == {"1"}, res["verified_sync"]
         agreement("logprobs_after_sync")
+        perturb()
         nbytes = int(m["weight_sync/bytes"])
-        times = [timed(2 + i)[0] for i in range(a.repeats)]
+        runs = [timed(2 + i) for i in range(a.repeats)]
+        times = [t for t, _ in runs]
         res["sync"] = {"seconds": times, "median_s": statistics.median(times),
-                       "GBps": nbytes / statistics.median(times) / 1e9, "bytes": nbytes}
+                       "GBps": nbytes / statistics.median(times) / 1e9, "bytes": nbytes,
+                       "transport_timings": transport.timings,
+                       "metrics": {k: v for k, v in runs[-1][1].items() if isinstance(v, (int, float))}}
+        agreement("logprobs_after_direct_sync")
+        dt, _ = timed(2 + a.repeats, verify=True)  # direct copies, read back and checksummed by the engine
+        res["verified_direct_sync"] = {"seconds": dt, "versions": ctl.weight_versions()}
+        res["engine_receive"] = engine_notes(os.path.join(a.out, "engine_logs"))
 
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)

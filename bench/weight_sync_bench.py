@@ -158,7 +158,7 @@ def run_receiver(a) -> None:
             return rep
 
         def x_copy_mode(self, loop_min_bytes: int, use_graphs: bool = False, strided: bool = False) -> dict:
-            from tests.support.copy_plan import CopyPlan
+            from skyrl_mega.weight_sync.copy_plan import CopyPlan
 
             CopyPlan.loop_min_bytes = int(loop_min_bytes)
             CopyPlan.use_graphs = bool(use_graphs)

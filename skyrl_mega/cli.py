@@ -38,7 +38,8 @@ def _print_cfg(cfg, args) -> None:
 def cmd_make_tiny(args) -> int:
     from skyrl_mega.models.tiny import make_tiny
 
-    make_tiny(args.family, args.out_dir, seed=args.seed, size=args.size, dtype=args.dtype, device=args.device)
+    make_tiny(args.family, args.out_dir, seed=args.seed, size=args.size, dtype=args.dtype, device=args.device,
+              weights=not args.config_only)
     print(f"wrote {args.size} {args.family} checkpoint to {args.out_dir}")
     return 0
 
@@ -147,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("family", help="qwen3_moe | qwen3_5_moe | nemotron3")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", default="tiny", help="tiny | 1b | 2b (qwen3_moe; see models/tiny.py SIZES)")
+    p.add_argument("--size", default="tiny", help="tiny | 1b | 2b | 8b (qwen3_moe; see models/tiny.py SIZES)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", help="where to initialise (cuda for the large sizes)")
+    p.add_argument("--config-only", action="store_true",
+                   help="config and tokenizer, no weights (for vLLM's --load-format dummy and random-init trainers)")
     p.set_defaults(fn=cmd_make_tiny)
 
     p = sub.add_parser("convert", help="HF <-> Megatron dist-ckpt at any parallel layout")

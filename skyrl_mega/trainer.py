@@ -47,7 +47,7 @@ def main(argv: list[str]) -> None:
                                      start) or (None, None)
         log0(f"{'resuming from step ' + str(start) if start else 'starting'}; world size {world}, "
              f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} ep={cfg.parallel.ep}")
-        initial = sync_with_retries(cfg, ctrl, policy, version=start)  # logged with the first step
+        initial = sync_with_retries(cfg, ctrl, policy, version=start, first=True)  # logged with the first step
 
         for step in range(start, steps):
             t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""CopyPlan (tests/support/copy_plan.py): the receiver's unpack copies against a per-tensor reference.
+"""CopyPlan (weight_sync/copy_plan.py): the receiver's unpack copies against a per-tensor reference.
 
 The layouts are the ones a receiver meets: a Megatron DDP buffer (experts in descending
 address order, fc1/fc2 interleaved: the sources of one kind sit at a negative stride), a
@@ -10,7 +10,7 @@ bytes a tensor-by-tensor copy lands.
 import pytest
 import torch
 
-from tests.support.copy_plan import CopyPlan
+from skyrl_mega.weight_sync.copy_plan import CopyPlan
 
 
 def _layout(E: int, n1: int, n2: int, descending: bool, pad: int = 0):

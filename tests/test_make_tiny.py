@@ -49,7 +49,8 @@ def test_cli_make_tiny_and_unknown_family(tmp_path):
         make_tiny("llama", str(tmp_path / "x"))
 
 
-@pytest.mark.parametrize("size, low, high", [("1b", 0.85e9, 1.15e9), ("2b", 2.2e9, 2.7e9)])
+@pytest.mark.parametrize("size, low, high", [("1b", 0.85e9, 1.15e9), ("2b", 2.2e9, 2.7e9),
+                                              ("8b", 9.5e9, 10.3e9)])
 def test_large_sizes_have_the_parameter_counts_they_claim(size, low, high):
     """The GPU runs' shapes, counted on the meta device (nothing allocated)."""
     import torch
@@ -66,5 +67,17 @@ def test_large_sizes_have_the_parameter_counts_they_claim(size, low, high):
 
 
 def test_unknown_size_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no size '7b' for qwen3_moe; sizes: \\['1b', '2b', 'tiny'\\]"):
+    with pytest.raises(ValueError, match="no size '7b' for qwen3_moe; sizes: \\['1b', '2b', '8b', 'tiny'\\]"):
         make_tiny("qwen3_moe", str(tmp_path / "x"), size="7b")
+
+
+def test_config_only_writes_the_shape_without_weights(tmp_path):
+    from transformers import AutoConfig
+
+    out = tmp_path / "cfg"
+    assert cli.main(["make-tiny", "qwen3_moe", str(out), "--size", "8b", "--config-only", "--dtype", "bfloat16"]) == 0
+    assert not any(f.endswith(".safetensors") for f in os.listdir(out))
+    cfg = AutoConfig.from_pretrained(str(out))
+    assert (cfg.hidden_size, cfg.num_experts, cfg.num_hidden_layers) == (2048, 64, 24)
+    assert cfg.architectures == ["Qwen3MoeForCausalLM"]  # vLLM picks its model class by this
+    assert os.path.exists(out / "tokenizer.json")

@@ -127,11 +127,12 @@ def rollout_with_retries(cfg, ctrl, policy, step: int, version: int):
     raise RuntimeError(f"step {step}: rollout failed {cfg.rollout.max_step_retries + 1} times")
 
 
-def sync_with_retries(cfg, ctrl, policy, version: int) -> dict:
+def sync_with_retries(cfg, ctrl, policy, version: int, first: bool = False) -> dict:
     """Collective. A sync that fails (every rank raises, e.g. a server died) restarts dead
-    servers on rank 0 and sends the same weights again. Rank 0 sends, the others export."""
+    servers on rank 0 and sends the same weights again. Rank 0 sends, the others export.
+    `first`: the run's first sync (verified under verify_sync=first_last)."""
     transport = ctrl.engines.transport if ctrl is not None else None
-    verify = verify_due(cfg.rollout.verify_sync, version, cfg.train.steps)
+    verify = verify_due(cfg.rollout.verify_sync, version, cfg.train.steps, first)
     if transport is not None and hasattr(transport, "verify"):  # the bucketed transports check sums
         transport.verify = verify
     for attempt in range(cfg.rollout.max_step_retries + 1):
@@ -146,9 +147,10 @@ def sync_with_retries(cfg, ctrl, policy, version: int) -> dict:
     raise RuntimeError(f"weight sync {version} failed {cfg.rollout.max_step_retries + 1} times")
 
 
-def verify_due(when: str, version: int, steps: int) -> bool:
-    """rollout.verify_sync: never | first_last (the first sync of a run and the last) | always."""
-    return when == "always" or (when == "first_last" and version in (0, steps))
+def verify_due(when: str, version: int, steps: int, first: bool) -> bool:
+    """rollout.verify_sync: never | first_last (the first sync of this run, also of a resumed
+    one, and the sync of the last step's weights) | always."""
+    return when == "always" or (when == "first_last" and (first or version == steps))
 
 
 def _trainer_state(ctrl) -> dict:

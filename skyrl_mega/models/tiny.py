@@ -75,6 +75,11 @@ SIZES = {
                               num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
                               head_dim=64, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
                               max_position_embeddings=4096, initializer_range=0.02),
+    # ~9.9B parameters, 19.8 GB bf16: the weight-sync bandwidth run (--config-only, random weights)
+    ("qwen3_moe", "8b"): dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=1024,
+                              num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+                              head_dim=128, num_experts=64, num_experts_per_tok=8, mlp_only_layers=[],
+                              max_position_embeddings=4096, initializer_range=0.02),
 }
 
 
@@ -95,8 +100,9 @@ FAMILIES = {
 
 
 def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtype: str = "float32",
-              device: str = "cpu", **config_overrides) -> str:
-    """Writes a random-weight checkpoint of `family` (shape `size`) to `out_dir`; returns out_dir."""
+              device: str = "cpu", weights: bool = True, **config_overrides) -> str:
+    """Writes a random-weight checkpoint of `family` (shape `size`) to `out_dir`; returns out_dir.
+    weights=False: config.json and the tokenizer only."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     if (family, size) not in SIZES and size != "tiny":
@@ -110,11 +116,17 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
-    torch.manual_seed(seed)
-    with torch.device(device):  # a GPU initialises the large shapes in seconds
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
+    if weights:
+        torch.manual_seed(seed)
+        with torch.device(device):  # a GPU initialises the large shapes in seconds
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model.save_pretrained(out_dir)
+    else:  # the class name only (vLLM picks its model by `architectures`): built on meta, nothing allocated
+        with torch.device("meta"):
+            config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]
+        config.dtype = dtype
+        config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}, f)

@@ -154,6 +154,12 @@ class EngineControl:
                 raise ControlError(f"{u}: collective_rpc {method} answered {r!r}")
         return out
 
+    def record_finished_version(self, version: str | int) -> None:
+        """After finish_weight_update(version): a vLLM that serves /weight_info (0.30) recorded
+        the version itself; one that keeps none (0.26) gets ours in the worker extension."""
+        if not self.caps.has("/weight_info"):
+            self.set_weight_version(version)
+
     def set_weight_version(self, version: str | int) -> None:
         if self.caps.has("/update_weight_version"):
             self._all("POST", "/update_weight_version", {"new_version": str(version)})

@@ -12,9 +12,18 @@ and driven through vLLM's own endpoints (VLLM_SERVER_DEV_MODE=1):
 Modes: "broadcast" — protocol.py over a gloo (CPU) or NCCL (GPU) group of its own, one
 update_weights call receives every bucket of the sync into a fresh buffer each and hands
 its tensors to model.load_weights; "ipc" — one call per round, tensors opened from the
-trainer's typed IPC handles (ipc_handles.decode validates them; nothing is unpickled) and
-cloned (vLLM's reload may hold them until a layer is complete). A failed or aborted update finalises the layer-wise reload (the model stays
-runnable, the engine stays paused) and raises, so vLLM keeps the previous weight version.
+trainer's typed IPC handles (ipc_handles.decode validates them; nothing is unpickled).
+Two ways into the parameters ("ipc" mode):
+- reload: vLLM's layer-wise reload and model.load_weights, tensor by tensor (each cloned: the
+  reload may hold them until a layer is complete). Always right, ~200 us a tensor.
+- direct: after the first such sync, landing_map.py learns from vLLM's own loaders where each
+  sent tensor lands (one contiguous byte copy into one parameter, every parameter covered) and
+  checks that against what the reload left; later syncs then copy each round straight into
+  the parameters (copy_plan.py: merged copies, a few launches a round), no reload. Not on the
+  CPU backend (it repacks weights after loading), not for quantized layers, and relearned when
+  the parameters moved; the reason it does not apply is logged once.
+A failed or aborted update finalises the layer-wise reload (the model stays runnable, the
+engine stays paused) and raises, so vLLM keeps the previous weight version.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from . import ipc_handles
+from . import ipc_handles, landing_map
 from .plan import to_dtype
 from .protocol import Communicator, ReceiveSink, receive_sync
 
@@ -101,6 +110,12 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         self._plans: dict = {}  # plan_id -> ParsedPlan
         self._ipc_layouts: dict = {}  # layout_id -> tensor entries
         self._ipc_open: dict = {}
+        self._map: landing_map.LandingMap | None = None  # direct copies (module doc)
+        self._map_note: str | None = None  # why there is no map (logged once per reason)
+        self._direct = False  # this update copies straight into the parameters
+        self._reloading = False  # vLLM's layer-wise reload is open
+        self._direct_plans: dict = {}  # layout_id -> (CopyPlan, table rows)
+        self._learn: dict | None = None  # while a reload sync runs: name -> (dtype, shape), checksums
 
     def init_transfer_engine(self, init_info: SkyrlBucketInitInfo) -> None:
         if self.comm is not None:  # the trainer re-formed the group: leave the old one
@@ -124,12 +139,55 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._direct = self.mode == "ipc" and self._map is not None and self._map.fresh(self.model)
+        if self._direct:
+            return
+        self._map, self._direct_plans = None, {}
+        self._learn = {"specs": {}, "sums": {}} if self._may_learn() else None
         initialize_layerwise_reload(self.model)
+        self._reloading = True
 
-    def finish_weight_update(self) -> None:
+    def _may_learn(self) -> bool:
+        why = None
+        if self.mode != "ipc":
+            why = "direct copies are used in ipc mode only"
+        elif self.device.type != "cuda":
+            why = "the CPU backend repacks weights after loading"
+        else:
+            quant = {type(m.quant_method).__name__ for m in self.model.modules()
+                     if getattr(m, "quant_method", None) is not None}
+            odd = sorted(q for q in quant if not q.startswith("Unquantized"))
+            if odd:
+                why = f"quantized layers ({', '.join(odd)}) are processed after loading"
+        if why:
+            self._note(why)
+        return why is None
+
+    def _note(self, why: str) -> None:
+        if why != self._map_note:
+            logger.info("skyrl_bucket: loading through vLLM's layer-wise reload (%s)", why)
+            self._map_note = why
+
+    def _finalize(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self._reloading:
+            self._reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def finish_weight_update(self) -> None:
+        self._finalize()
+        learn, self._learn = self._learn, None
+        if learn is None or self._direct:
+            return
+        specs = [(n, dt, shape) for n, (dt, shape) in learn["specs"].items()]
+        got = landing_map.learn(self.model, specs, self.device)
+        why = got if isinstance(got, str) else landing_map.verify(got, specs, learn["sums"])
+        if why:
+            return self._note(why)
+        self._map = got
+        logger.info("skyrl_bucket: %d tensors now copy straight into vLLM's parameters (%d skipped by the model)",
+                    len(got.where), len(got.skipped))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         info = self.parse_update_info(update_info)
@@ -137,8 +195,9 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             self.receive_weights(info)
         except BaseException:
             # leave a runnable model (mixed weights; the engine stays paused, old version)
+            self._learn = None
             try:
-                self.finish_weight_update()
+                self._finalize()
             except Exception:
                 logger.exception("skyrl_bucket: finalising the reload after a failed update")
             raise
@@ -176,11 +235,17 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             if entries is None:
                 raise WeightSyncError(f"unknown IPC layout {info.layout_id} (the trainer resends it next sync)")
         ipc_handles.wait_event(info.event, self.device)  # the trainer's writes are done
+        if self._direct:
+            return self._copy_direct(info, entries, sources)
         weights, sums = [], []
+        learn = self._learn
         for name, dt, shape, h, off, nbytes, _ in entries:
             t = sources[h][off: off + nbytes].view(to_dtype(dt)).view(shape).clone()
-            if info.verify:
+            if info.verify or learn is not None:
                 sums.append(tensor_checksum(t))
+            if learn is not None:
+                learn["specs"][name] = (dt, list(shape))
+                learn["sums"][name] = sums[-1]
             weights.append((name, t))
         if info.verify and weights:
             got = torch.stack(sums).cpu()
@@ -191,6 +256,28 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model.load_weights(weights=weights)
+
+    def _copy_direct(self, info: SkyrlBucketUpdateInfo, entries: list, sources: list) -> None:
+        """One round straight into the parameters (the landing map's merged copies)."""
+        from ..rollout.errors import WeightSyncError
+
+        cached = self._direct_plans.get(info.layout_id)
+        if cached is None or info.tensors is not None:
+            missing = [e[0] for e in entries if not self._map.covers([e[0]])]
+            if missing:
+                self._map = None  # the next update reloads through vLLM and learns again
+                raise WeightSyncError(f"update {info.version}: {missing[:3]} not in the engine's landing map "
+                                      f"(the sent tensors changed; the next sync reloads)")
+            cached = self._direct_plans[info.layout_id] = landing_map.copy_plan(self._map, entries)
+        plan, rows = cached
+        plan.execute(dict(enumerate(sources)))
+        if info.verify and rows:
+            got = torch.empty(len(rows), 2, dtype=torch.int64, device=self.device)
+            plan.checksums(got, lambda slot: slot)
+            exp = torch.tensor([info.checksums[i] for i in rows], dtype=torch.int64)
+            bad = [entries[rows[i]][0] for i in (got.cpu() != exp).any(1).nonzero().flatten().tolist()]
+            if bad:
+                raise WeightSyncError(f"update {info.version}: checksum mismatch over CUDA IPC for {bad[:3]}")
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:  # abstract in vLLM 0.26's base

@@ -414,14 +414,19 @@ def _metrics_text(server_url):
     return urllib.request.urlopen(f"{server_url}/metrics", timeout=10).read().decode()
 
 
-def _wait_generation_started(server_url, timeout_s):
-    """Until the engine's Prometheus metrics show requests running."""
+def _wait_generation_started(server_url, timeout_s, gave_up=lambda: False):
+    """Until the engine's Prometheus metrics show requests running (False: the caller's batch
+    ended first, `gave_up()`, e.g. with an error before reaching the engine)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if _metric(_metrics_text(server_url), "num_requests_running") > 0:
-            return
+        text = _metrics_text(server_url)
+        if _metric(text, "num_requests_running") > 0:
+            return True
+        if gave_up():
+            return False
         time.sleep(0.02)
-    raise AssertionError(f"no request ran on {server_url} within {timeout_s}s")
+    raise AssertionError(f"no request ran on {server_url} within {timeout_s}s "
+                         f"(waiting there: {_metric(text, 'num_requests_waiting')})")
 
 
 def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
@@ -442,7 +447,9 @@ def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
             # running, pause it with the requests frozen in flight (keep), so however loaded the
             # box is the batch cannot finish before the kill lands.
             batch = asyncio.ensure_future(patient.generate_batch(ps, sampling))
-            await asyncio.to_thread(_wait_generation_started, server.url, 120)
+            if not await asyncio.to_thread(_wait_generation_started, server.url, 120, batch.done):
+                await batch  # it ended before any request ran: its own error is the failure
+                pytest.fail(f"the batch finished before the engine reported it running ({patient.stats})")
             await asyncio.to_thread(EngineControl([server.url], timeout_s=120).pause, "keep")
             assert not batch.done()
             for pid in victims:  # the engine's worker dies, as in a real crash

@@ -2,7 +2,6 @@
 
     receiver.WeightReceiver        a receiver without vLLM: a transformers model that answers the
                                    four weight-transfer calls (`python -m tests.support.receiver`)
-    copy_plan.CopyPlan             its unpack copies (received bytes -> its parameters)
     channel_client.ChannelClient   the trainer's client for such receivers (over the TCPStore)
     faults.faulty(cls)             a transport class with test-side fault injection
 Importable from tests/ (pytest puts the repository root on sys.path) and from bench/ (the

@@ -40,7 +40,7 @@ from skyrl_mega.weight_sync.checksum import digest
 from skyrl_mega.weight_sync.plan import TensorSlot, to_dtype
 from skyrl_mega.weight_sync.protocol import Communicator, ReceiveSink, receive_sync
 
-from .copy_plan import CopyPlan
+from skyrl_mega.weight_sync.copy_plan import CopyPlan
 
 logger = logging.getLogger(__name__)
 

@@ -109,8 +109,8 @@ class HttpEngineClient(EngineClient):
     def finish(self, version) -> Any:
         body = {"weight_version": None if version is None else str(version)}
         out = self._each("POST", "/finish_weight_update", [body] * len(self.urls))
-        if version is not None and not self.control.caps.has("/weight_info"):
-            self.control.set_weight_version(version)  # a vLLM that keeps no version (0.26): ours
+        if version is not None:
+            self.control.record_finished_version(version)
         return out
 
     def versions(self, finish_reply=None) -> dict:

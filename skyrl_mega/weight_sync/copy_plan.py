@@ -1,4 +1,4 @@
-"""CopyPlan: the standalone receiver's unpack copies, received bytes -> its parameters.
+"""CopyPlan: unpack copies, received bytes -> a receiver's parameters (the vLLM engine, the stand-in).
 
 In: per tensor, (source buffer key, byte offset, dtype) and (flat destination parameter,
 first element, numel); at execute time the source buffers (a received bucket, or the buffers
@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from skyrl_mega.rollout.errors import WeightSyncError
-from skyrl_mega.weight_sync.checksum import checksum_rows
+from ..rollout.errors import WeightSyncError
+from .checksum import checksum_rows
 
 logger = logging.getLogger(__name__)
 
