@@ -152,7 +152,8 @@ def run(args):
 
     from skyrl_mega.config import load_config
     from skyrl_mega.megatron import parallel
-    from skyrl_mega.megatron.train_step import build_policy, train_step
+    from skyrl_mega.megatron.policy import build_policy
+    from skyrl_mega.megatron.train_step import train_step
 
     path = ensure_model(args)
     cfg = load_config(None, [

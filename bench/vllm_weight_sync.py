@@ -19,7 +19,9 @@ so the engine differs from the trainer until a sync lands. Measured in this one 
 - a verified sync (per-tensor checksums on both ends) and a corrupted bucket (one byte flipped
   after the checksums were taken) that must fail while the engine keeps its version;
 - the engine's sampled-token logprobs vs the trainer's own (Megatron) logprobs on the same
-  tokens: before any sync (they differ) and after (bf16 agreement).
+  tokens: before any sync (they differ) and after (bf16 agreement);
+- control: the same weights sent by direct copies and then through vLLM's reload
+  (receive="reload"): the engine's seeded samples and logprobs must be the same.
 Writes OUT/results.json and prints it.
 """
 
@@ -212,6 +214,24 @@ def main() -> int:
         agreement("logprobs_after_corrupt")
         dt, _ = timed(100, verify=True)
         res["recovered_sync"] = {"seconds": dt, "versions": ctl.weight_versions()}
+        save()
+
+        # control: the same trainer weights through direct copies, then through vLLM's reload;
+        # the engine's own (seeded) samples and logprobs must not change
+        def engine_logprobs():
+            return [(s.token_ids, s.logprobs) for gn in engine_samples() for s in gn.samples]
+
+        timed(101)
+        direct = engine_logprobs()
+        reload_t = CudaIpcTransport(ctl, zero_copy=True, timeout_s=600, receive="reload")
+        reload_t.verify = True
+        sync_weights(bridge, models, reload_t, version=102, bucket_bytes=bucket)
+        again = engine_logprobs()
+        same = sum(a[0] == b[0] for a, b in zip(direct, again))
+        diffs = [abs(x - y) for a, b in zip(direct, again) if a[0] == b[0] for x, y in zip(a[1], b[1])]
+        res["direct_vs_reload_same_weights"] = {"samples": len(direct), "same_tokens": same,
+                                                "max_abs_logprob_diff": max(diffs, default=None)}
+        print(f"[bench] direct vs reload, same weights: {res['direct_vs_reload_same_weights']}", flush=True)
         save()
     finally:
         sm.stop()

@@ -23,7 +23,8 @@ from .controller.steps import (on_rank0, resume, rollout_with_retries, save_due,
 from .errors import run_rank
 from .megatron import parallel
 from .megatron.packing import shard_for_dp
-from .megatron.train_step import build_policy, build_reference, train_step
+from .megatron.policy import build_policy, build_reference
+from .megatron.train_step import train_step
 
 
 def main(argv: list[str]) -> None:

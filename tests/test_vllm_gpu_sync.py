@@ -7,7 +7,9 @@ trainer in the same process tree) and checks what it measured:
 - after a direct sync with new trainer weights, the engine's sampled-token logprobs equal the
   trainer's within bf16 tolerance, while before any sync they differ;
 - a corrupted bucket on a direct sync is caught by the engine's read-back checksums and the
-  engine keeps its version.
+  engine keeps its version;
+- the same weights sent by direct copies and then through vLLM's reload give the engine the
+  same seeded samples and logprobs.
 Figures go to $SKYRL_GPU_RESULTS/vllm_gpu_sync.json when set. Skipped without CUDA.
 """
 
@@ -40,3 +42,5 @@ def test_direct_copies_into_vllm_match_the_trainer(tiny_qwen3_moe, tmp_path):
     assert res["logprobs_after_direct_sync"]["mean_abs"] < MEAN_TOL, res["logprobs_after_direct_sync"]
     assert res["corrupt"]["caught"] and res["corrupt"]["versions_after"] == res["corrupt"]["versions_before"]
     assert set(res["recovered_sync"]["versions"].values()) == {"100"}
+    control = res["direct_vs_reload_same_weights"]  # direct copies leave what vLLM's reload leaves
+    assert 2 * control["same_tokens"] >= control["samples"] and control["max_abs_logprob_diff"] < 1e-3, control

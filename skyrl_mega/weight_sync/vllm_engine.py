@@ -60,6 +60,7 @@ class SkyrlBucketInitInfo(WeightTransferInitInfo):
     device: str | None = None
     device_uuid: str | None = None
     group: str = "skyrl_ws_pg"  # the transfer group's name (a re-formed group has a new one)
+    receive: str = "auto"  # "auto": direct copies once learned (module doc); "reload": always vLLM's reload
 
 
 @dataclass
@@ -106,6 +107,7 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self.comm: Communicator | None = None
         self.mode = "broadcast"
+        self.receive = "auto"
         self.last: dict = {}
         self._plans: dict = {}  # plan_id -> ParsedPlan
         self._ipc_layouts: dict = {}  # layout_id -> tensor entries
@@ -122,6 +124,9 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             self.comm.close()
             self.comm = None
         self.mode = init_info.mode
+        if init_info.receive not in ("auto", "reload"):
+            raise ValueError(f"unknown skyrl_bucket receive {init_info.receive!r} (auto | reload)")
+        self.receive = init_info.receive
         if self.mode == "ipc":
             return
         if self.mode != "broadcast":
@@ -139,7 +144,8 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self._direct = self.mode == "ipc" and self._map is not None and self._map.fresh(self.model)
+        self._direct = (self.mode == "ipc" and self.receive == "auto" and self._map is not None
+                        and self._map.fresh(self.model))
         if self._direct:
             return
         self._map, self._direct_plans = None, {}
@@ -149,7 +155,9 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
 
     def _may_learn(self) -> bool:
         why = None
-        if self.mode != "ipc":
+        if self.receive == "reload":
+            why = "receive=reload asked by the trainer"
+        elif self.mode != "ipc":
             why = "direct copies are used in ipc mode only"
         elif self.device.type != "cuda":
             why = "the CPU backend repacks weights after loading"

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from skyrl_mega.config import load_config, validate_config
 from skyrl_mega.megatron import parallel
 from skyrl_mega.megatron import train_step as ts
+from skyrl_mega.megatron.policy import build_policy, build_reference
 from skyrl_mega.megatron.forward import device, gather_vocab_parallel
 from skyrl_mega.megatron.logprobs import reference_logprobs, vocab_parallel_logprobs
 from skyrl_mega.megatron.packing import shard_for_dp
@@ -76,8 +77,8 @@ def main():
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     # reference first, then the policy: R3 handles must not depend on build order
-    ref = ts.build_reference(cfg)
-    policy = ts.build_policy(cfg, total_steps=4)
+    ref = build_reference(cfg)
+    policy = build_policy(cfg, total_steps=4)
     checks = {"global_replay_instances_after_attach": len(
         [r for r in RouterReplay.global_router_replay_instances if r in policy.replay.routers])}
 

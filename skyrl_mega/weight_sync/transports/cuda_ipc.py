@@ -48,9 +48,10 @@ class CudaIpcTransport(WeightTransferTransport):
     """Co-located engines: IPC handles to parameter storage + one staging buffer (see module doc)."""
 
     def __init__(self, control=None, receivers=(), *, zero_copy: bool | None = None,
-                 staging_bytes: int | None = None, round_bytes: int | None = None, **kw):
+                 staging_bytes: int | None = None, round_bytes: int | None = None, receive: str = "auto", **kw):
         super().__init__(control, receivers, **kw)
         self.round_bytes = int(round_bytes) if round_bytes else 1 << 62  # None: no size limit
+        self.receive = receive  # the engines' way in: "auto" (direct copies once learned) | "reload"
         self._exe = ThreadPoolExecutor(max_workers=1)  # posts rounds in order
         self._inflight: list = []  # futures of posted rounds
         self._acc = 0  # bytes in the round being assembled
@@ -77,7 +78,7 @@ class CudaIpcTransport(WeightTransferTransport):
         if self._inited:
             return
         self._open_store()
-        info = {"mode": "ipc", "device": str(self.device)}
+        info = {"mode": "ipc", "device": str(self.device), "receive": self.receive}
         if self.device.type == "cuda":
             info["device_uuid"] = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", ""))
         off = 0
