@@ -12,7 +12,7 @@ tiny() {  # family dir size [extra make_tiny kwargs]
 make_tiny('$1', '$2', size='$3', dtype='bfloat16', device='cuda' ${4:-})"
 }
 case "$1" in
-  tests)   SKYRL_GPU_RESULTS=$OUT python -m pytest -q -x -p no:cacheprovider tests/test_vllm_gpu_sync.py ;;
+  tests)   SKYRL_GPU_RESULTS=$OUT python -m pytest -q -x -p no:cacheprovider tests/test_vllm_gpu_sync.py tests/test_vllm_gpu.py ;;
   sync2b)  tiny qwen3_moe runs/qwen3_moe_2b 2b
            python bench/vllm_weight_sync.py --model runs/qwen3_moe_2b --out "$OUT/ws2b" ;;
   sync8b)  tiny qwen3_moe runs/qwen3_moe_8b 8b ", weights=False"

@@ -15,7 +15,9 @@ so the engine differs from the trainer until a sync lands. Measured in this one 
 - the first sync (verified; vLLM's layer-wise reload, after which the engine learns where each
   tensor lands: vllm_engine.py), then, with new trainer weights, the end-to-end sync (pause,
   plan check, export, CUDA IPC rounds copied straight into vLLM's parameters, finish, resume),
-  unverified, median of --repeats, GB/s and the ratio to D2D;
+  unverified, median of --repeats, GB/s and the ratio to D2D; the same with the engine as it is
+  in colocated training (asleep, weights woken: its sleep holds scheduling, so no /pause,
+  prefix-cache reset or /resume), then the KV cache woken and the engine's logprobs checked;
 - a verified sync (per-tensor checksums on both ends) and a corrupted bucket (one byte flipped
   after the checksums were taken) that must fail while the engine keeps its version;
 - the engine's sampled-token logprobs vs the trainer's own (Megatron) logprobs on the same
@@ -81,16 +83,10 @@ def main() -> int:
         with open(os.path.join(a.out, "results.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    parallel.init_distributed()
-
-    class P:
-        tp = pp = cp = ep = 1
-        etp = None
-
-    parallel.init_model_parallel(P, seed=1234)
+    parallel.init_layout()
     plan = PlacementPlan("colocated", "gpu", "cuda_ipc", None)
     cfg = ServerConfig(model=a.model, dtype="bfloat16", device="gpu", max_model_len=512, kv_cache_gib=2,
-                       enforce_eager=True, return_routed_experts=False,
+                       enforce_eager=True, return_routed_experts=False, sleep_mode=True,
                        extra_args=plan.server_args() + (["--load-format", "dummy"] if a.random else []))
     t = time.perf_counter()
     sm = ServerManager(cfg, log_dir=os.path.join(a.out, "engine_logs"), startup_timeout_s=600,
@@ -173,6 +169,25 @@ def main() -> int:
                        "transport_timings": transport.timings,
                        "metrics": {k: v for k, v in runs[-1][1].items() if isinstance(v, (int, float))}}
         agreement("logprobs_after_direct_sync")
+        # colocated as in training: engine asleep, weights woken, the sync, then the KV cache woken;
+        # the sleep holds scheduling paused, so the sync sends no /pause, reset or /resume
+        held, wake = [], []
+        for i in range(a.repeats):
+            perturb()
+            ctl.sleep(1)
+            ctl.wake_up(tags=["weights"])
+            if not ctl.held_by_sleep:
+                raise RuntimeError("the engine's sleep did not hold scheduling paused")
+            held.append(timed(50 + i))
+            t0 = time.perf_counter()
+            ctl.wake_up(tags=["kv_cache"])
+            wake.append(time.perf_counter() - t0)
+        times = [t for t, _ in held]
+        res["held_sync"] = {"seconds": times, "median_s": statistics.median(times),
+                            "GBps": nbytes / statistics.median(times) / 1e9, "transport_timings": transport.timings,
+                            "wake_kv_s": wake, "paused_after_wake": ctl.is_paused(),
+                            "versions": ctl.weight_versions()}
+        agreement("logprobs_after_held_sync")
         dt, _ = timed(2 + a.repeats, verify=True)  # direct copies, read back and checksummed by the engine
         res["verified_direct_sync"] = {"seconds": dt, "versions": ctl.weight_versions()}
         res["engine_receive"] = engine_notes(os.path.join(a.out, "engine_logs"))
@@ -191,8 +206,10 @@ def main() -> int:
         torch.cuda.empty_cache()
         res["d2d"] = {"median_s": statistics.median(ts), "GBps": nbytes / statistics.median(ts) / 1e9}
         res["sync_vs_d2d"] = res["d2d"]["median_s"] / res["sync"]["median_s"]
+        res["held_sync_vs_d2d"] = res["d2d"]["median_s"] / res["held_sync"]["median_s"]
         print(f"[bench] sync {res['sync']['GBps']:.1f} GB/s, d2d {res['d2d']['GBps']:.1f} GB/s: "
-              f"{100 * res['sync_vs_d2d']:.1f}%", flush=True)
+              f"{100 * res['sync_vs_d2d']:.1f}%; engine held by its sleep: {res['held_sync']['GBps']:.1f} GB/s, "
+              f"{100 * res['held_sync_vs_d2d']:.1f}%", flush=True)
         save()
 
         before = ctl.weight_versions()

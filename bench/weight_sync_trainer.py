@@ -49,15 +49,9 @@ def run_trainer(a) -> None:
     from tests.support.faults import faulty  # the corrupted-bucket check
 
     rank, world = parallel.init_distributed()
+    parallel.init_layout(ep=world)
     cuda = torch.cuda.is_available() and a.device == "cuda"
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-
-    class P:
-        tp = pp = cp = 1
-        ep = world
-        etp = None
-
-    parallel.init_model_parallel(P, seed=1234)
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
     from skyrl_mega.compat.megatron_core import CPU_CONFIG
 

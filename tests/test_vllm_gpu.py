@@ -6,6 +6,7 @@ starts it. Checked against transformers fp32 on the same GPU, on the tokens vLLM
 - sampled-token logprobs: max |diff| within TOL[dtype];
 - routed experts: the set of top-k experts of each (token, MoE layer) pair equals transformers'
   for at least ROUTES_MIN[dtype] of the pairs (fp32: 99%, the issue's bar);
+- n=8 samples per request that stop at different steps all come back (vllm#52398);
 - sleep level 1 frees GPU memory (measured device-wide) and after waking (weights, then KV cache)
   the engine's logprobs still match transformers.
 Figures go to $SKYRL_GPU_RESULTS/vllm_gpu_<dtype>.json when that variable is set (BENCHMARKS.md).
@@ -22,8 +23,8 @@ import torch
 
 from skyrl_mega.controller.placement import PlacementPlan
 from skyrl_mega.rollout import engine_caps, r3_wire
-from skyrl_mega.rollout.client import RolloutClient, SamplingParams
-from skyrl_mega.rollout.control import EngineControl
+from skyrl_mega.rollout.client import GENERATE_PATH, RolloutClient, SamplingParams
+from skyrl_mega.rollout.control import EngineControl, http_json
 from skyrl_mega.rollout.servers import ServerConfig, ServerManager
 
 pytestmark = [pytest.mark.gpu]
@@ -110,6 +111,17 @@ def test_vllm_gpu_matches_transformers_and_sleeps(dtype, tiny_qwen3_moe, tmp_pat
                         "logprob_mean_abs_diff": float(d.mean()), "route_pairs": pairs,
                         "route_agreement": agree / pairs})
 
+        # n>1 whose samples stop at different steps: vLLM 0.26 dropped the early ones from a
+        # non-streaming answer unless the request asks for the final output (vllm#52398)
+        spn = SamplingParams(max_tokens=24, n=8, temperature=1.0, seed=3, stop_token_ids=list(range(3, 300)))
+        many = asyncio.run(_generate(url, _prompts(8, seed=5), spn))
+        results["n8_choices"] = [len(g.samples) for g in many]
+        results["n8_distinct_lengths"] = len({len(s.token_ids) for g in many for s in g.samples})
+        bare = {k: v for k, v in spn.to_json().items() if k != "output_kind"}
+        results["n8_choices_not_asking_final_only"] = [  # what the server does alone (upstream bug)
+            len(http_json("POST", url + GENERATE_PATH, {"token_ids": p, "sampling_params": bare})["choices"])
+            for p in _prompts(8, seed=5)]
+
         # colocated: sleep frees the engine's memory, wake restores the same outputs
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
@@ -133,5 +145,6 @@ def test_vllm_gpu_matches_transformers_and_sleeps(dtype, tiny_qwen3_moe, tmp_pat
     assert results["logprob_max_abs_diff"] < TOL[dtype], results
     assert results["logprob_mean_abs_diff"] < MEAN_TOL[dtype], results
     assert results["route_agreement"] >= ROUTES_MIN[dtype], results
+    assert results["n8_choices"] == [8] * 8 and results["n8_distinct_lengths"] > 1, results
     assert results["sleep_freed_gib"] > 0.5, results  # at least the 1 GiB KV cache comes back
     assert results["logprob_max_abs_diff_after_wake"] < TOL[dtype], results  # the weights came back

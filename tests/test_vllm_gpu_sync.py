@@ -6,6 +6,9 @@ trainer in the same process tree) and checks what it measured:
   straight into its parameters (its own log says so);
 - after a direct sync with new trainer weights, the engine's sampled-token logprobs equal the
   trainer's within bf16 tolerance, while before any sync they differ;
+- colocated as in training (engine asleep, weights woken): the sync sends no /pause (the
+  sleep holds scheduling), the engine serves the new version and, once its KV cache woke, is
+  unpaused and agrees with the trainer;
 - a corrupted bucket on a direct sync is caught by the engine's read-back checksums and the
   engine keeps its version;
 - the same weights sent by direct copies and then through vLLM's reload give the engine the
@@ -40,6 +43,10 @@ def test_direct_copies_into_vllm_match_the_trainer(tiny_qwen3_moe, tmp_path):
     assert "copy straight into vLLM's parameters" in notes, notes
     assert res["logprobs_before_sync"]["mean_abs"] > 4 * MEAN_TOL
     assert res["logprobs_after_direct_sync"]["mean_abs"] < MEAN_TOL, res["logprobs_after_direct_sync"]
+    held = res["held_sync"]
+    assert "pause_s" not in held["transport_timings"], held
+    assert set(held["versions"].values()) == {"51"} and not any(held["paused_after_wake"].values()), held
+    assert res["logprobs_after_held_sync"]["mean_abs"] < MEAN_TOL, res["logprobs_after_held_sync"]
     assert res["corrupt"]["caught"] and res["corrupt"]["versions_after"] == res["corrupt"]["versions_before"]
     assert set(res["recovered_sync"]["versions"].values()) == {"100"}
     control = res["direct_vs_reload_same_weights"]  # direct copies leave what vLLM's reload leaves

@@ -7,9 +7,10 @@ Two torchruns (tests/workers/weight_sync_worker.py), one per layout:
   dies half-way; new parameter tensors on the next sync; the CPU shared-memory transport.
 - ep2 (2 ranks, EP=2) against a real vLLM CPU server that runs the "skyrl_bucket"
   weight-transfer backend (registered by the project's vLLM plugin) and is driven through
-  vLLM's own /init_weight_transfer_engine, /start_weight_update, /update_weights and
-  /finish_weight_update endpoints; a standalone receiver sits in the same transfer group and
-  is compared with the trainer's own (Megatron EP=2) logits.
+  vLLM's /init_weight_transfer_engine and, per update, its worker's start / update / finish
+  calls through /collective_rpc (one round trip each round); a standalone receiver sits in the
+  same transfer group and is compared with the trainer's own (Megatron EP=2) logits; then a
+  sync into the engine asleep with its weights woken (colocated), which needs no pause.
 (Megatron's forward at TP=2 x ETP=2 needs uneven all_gathers that gloo lacks, so the
 tp2pp2ep2 run checks the receiver against transformers on the trainer's exact weights.)
 The trainer loads a perturbed copy of the tiny checkpoint; receivers start from the original.
@@ -226,6 +227,11 @@ def test_vllm_server_updated_through_its_weight_transfer_api(vllm_run, trainer_c
     assert r["after_abort"]["receiver"]["version"] is None
     assert r["after_sync"] == {"versions": {url: "8"}, "paused": {url: False}}
     assert r["sync"]["weight_sync/buckets"] > 5
+    # engine asleep with its weights woken (colocated): no pause of the sync's own, still held after
+    # it, resumed by waking the KV cache, serving version 9
+    assert r["held_before"] and "pause_s" not in r["held_sync"]["timings"], r["held_sync"]
+    assert r["held_sync"]["paused"] == {url: True} and r["held_sync"]["versions"] == {url: "9"}
+    assert r["after_wake"] == {"paused": {url: False}, "versions": {url: "9"}}
 
     async def go():
         rng = np.random.default_rng(0)

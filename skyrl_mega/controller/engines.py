@@ -90,6 +90,7 @@ class RolloutEngines:
             self.router.stop()
             self.router = RouterProcess(self.servers.urls, log_dir=self.log_dir).start()
         if restarted:
+            self.control.forget_sleep()  # a restarted server runs awake: the next sync pauses it
             self.transport.reset()
         return restarted
 

@@ -53,6 +53,16 @@ def init_model_parallel(parallel, seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def init_layout(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None,
+                seed: int = 1234) -> tuple[int, int]:
+    """init_distributed + init_model_parallel for a layout given by its sizes (tests, benches)."""
+    from types import SimpleNamespace
+
+    rank, world = init_distributed()
+    init_model_parallel(SimpleNamespace(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp), seed=seed)
+    return rank, world
+
+
 def destroy() -> None:
     from megatron.core import parallel_state as mpu
 

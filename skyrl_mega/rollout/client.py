@@ -44,6 +44,7 @@ from .errors import (
 
 GENERATE_PATH = "/inference/v1/generate"
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+FINAL_ONLY = 2  # vllm.sampling_params.RequestOutputKind.FINAL_ONLY
 
 
 @dataclass
@@ -81,6 +82,9 @@ class SamplingParams:
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": False,
             "detokenize": False,
+            # the final output only: vLLM 0.26's token endpoint left non-streaming requests
+            # CUMULATIVE and then answered n>1 with fewer choices (vllm#52398; 0.30 sets it itself)
+            "output_kind": FINAL_ONLY,
         }
         if self.seed is not None:
             d["seed"] = int(self.seed)

@@ -14,6 +14,11 @@ Endpoints (vLLM 0.30.0 with VLLM_SERVER_DEV_MODE=1, vllm/entrypoints/serve/dev/*
     POST /resume, GET /is_paused
     POST /reset_prefix_cache           {"success": false} while running requests hold blocks
     POST /sleep?level=N, POST /wake_up, GET /is_sleeping   (no-ops on CPU)
+        vLLM's sleep first pauses scheduling (in-flight requests aborted; from level 1 the
+        prefix cache is cleared) and resumes it only once every tag is awake again: between
+        /sleep and the last /wake_up no request runs (`held_by_sleep`, seen by /is_paused after
+        each sleep and partial wake). A sync then needs no /pause, prefix-cache reset or
+        /resume of its own.
     POST /collective_rpc {"method", "kwargs": {str: str}, "timeout"}  -> {"results": [per worker]}
     POST /update_weight_version {"new_version"}, GET /weight_info -> {"weight_version"}
         (0.30 only; where a server lacks them, as 0.26 does, the weight version is kept by the
@@ -72,6 +77,9 @@ class EngineControl:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self._caps = caps  # engine_caps.EngineCaps of the servers; asked of the first when None
+        self._asleep: set[str] = set()  # tags still asleep since the last sleep (module doc)
+        self._sleep_level = 0
+        self._held = False  # held_by_sleep, as last seen by /is_paused
 
     @property
     def caps(self):
@@ -106,6 +114,7 @@ class EngineControl:
         self._all("POST", f"/pause?{q}", timeout_s=timeout_s)
 
     def resume(self) -> None:
+        self._held = False  # scheduling runs again, whoever paused it
         self._all("POST", "/resume")
 
     def is_paused(self) -> dict[str, bool]:
@@ -116,13 +125,33 @@ class EngineControl:
         return {u: bool((r or {}).get("success", True)) for u, r in self._all("POST", "/reset_prefix_cache" + q).items()}
 
     def sleep(self, level: int = 1) -> None:
+        self._held = False  # unknown until the call returned
         self._all("POST", f"/sleep?level={int(level)}")
+        self._asleep, self._sleep_level = {"weights", "kv_cache"}, int(level)
+        self._held = self._sleep_holds()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Wakes everything, or only `tags` ("weights", "kv_cache"): weights before a sync,
         the KV cache after it, so the cache is not allocated while the trainer holds memory."""
+        self._held = False
         q = ("?" + urllib.parse.urlencode([("tags", t) for t in tags])) if tags else ""
         self._all("POST", "/wake_up" + q)
+        self._asleep = self._asleep - set(tags) if tags else set()
+        self._held = self._sleep_holds()
+
+    def _sleep_holds(self) -> bool:
+        """Seen, not assumed: scheduling is paused on every server while a sleep of level >= 1
+        (which cleared the prefix cache) is not fully woken."""
+        return bool(self._asleep) and self._sleep_level >= 1 and all(self.is_paused().values())
+
+    @property
+    def held_by_sleep(self) -> bool:
+        """No request can run on any server and none holds KV from before the sleep (module doc)."""
+        return self._held
+
+    def forget_sleep(self) -> None:
+        """A server was restarted (it runs awake): nothing is held by a sleep any more."""
+        self._asleep, self._held = set(), False
 
     def is_sleeping(self) -> dict[str, bool]:
         return {u: bool((r or {}).get("is_sleeping")) for u, r in self._all("GET", "/is_sleeping").items()}
@@ -155,10 +184,10 @@ class EngineControl:
         return out
 
     def record_finished_version(self, version: str | int) -> None:
-        """After finish_weight_update(version): a vLLM that serves /weight_info (0.30) recorded
-        the version itself; one that keeps none (0.26) gets ours in the worker extension."""
-        if not self.caps.has("/weight_info"):
-            self.set_weight_version(version)
+        """After skyrl_weight_update finished `version` (the worker extension then serves it): a
+        vLLM that keeps a version of its own (0.30: /update_weight_version) is told as well."""
+        if self.caps.has("/update_weight_version"):
+            self._all("POST", "/update_weight_version", {"new_version": str(version)})
 
     def set_weight_version(self, version: str | int) -> None:
         if self.caps.has("/update_weight_version"):

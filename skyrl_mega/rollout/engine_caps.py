@@ -14,6 +14,7 @@ between them, as read from their sources and seen on the servers:
 | weight version: /update_weight_version, /weight_info | absent   | served (dev mode)              |
 | routed experts                         | every layer, uint8 [prompt+gen-1, layers, k] (both) |   |
 | weight-transfer API, sleep/wake, pause | served in dev mode (both; sleep is a no-op on CPU)      |
+| n>1 without streaming, token endpoint  | fewer choices unless the request asks output_kind FINAL_ONLY (vllm#52398; the client always asks) | fixed |
 
 An unsupported version fails at start (`UnsupportedEngine`, one line naming the range); a
 server that lacks an endpoint the run needs fails with the endpoint named (`require`).
@@ -38,8 +39,8 @@ SCALE_OUT_FLAG_FROM = Version("0.30")  # 0.30 serves the token endpoint only beh
 NEEDS = {
     "rollout": (TOKEN_ENDPOINT, "/health"),
     "control": ("/pause", "/resume", "/collective_rpc", "/reset_prefix_cache"),
-    "weight_transfer": ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                        "/finish_weight_update", "/get_world_size"),
+    # the update's start/rounds/finish go through /collective_rpc (weight_sync/transports/clients.py)
+    "weight_transfer": ("/init_weight_transfer_engine", "/collective_rpc", "/get_world_size"),
     "sleep": ("/sleep", "/wake_up", "/is_sleeping"),
 }
 

@@ -18,6 +18,10 @@
        skyrl_weight_version()
        skyrl_set_weight_version(version) / skyrl_served_weight_version()   the served version
                                       where vLLM has no /update_weight_version (0.26)
+       skyrl_weight_update(call)      vLLM's own worker calls start_weight_update /
+                                      update_weights / finish_weight_update, several in ONE
+                                      round trip (call = JSON {"start", "update_info",
+                                      "finish", "version"}); answers the served version
    reachable over HTTP as POST /collective_rpc {"method": "skyrl_load_weights",
    "kwargs": {"manifest": "<json>"}} (vLLM passes only string args over HTTP).
 
@@ -115,6 +119,24 @@ class SkyrlWorkerExtension:
         """The served weight version where vLLM keeps none itself (0.26: no /update_weight_version)."""
         self._skyrl_served_version = str(version)
         return {"weight_version": self._skyrl_served_version}
+
+    def skyrl_weight_update(self, call: str) -> dict:
+        """Steps of one weight update in one round trip, through the worker's own methods (so
+        vLLM's checks of a session hold): start if asked, one update_weights round if given,
+        finish if asked (then `version` becomes the served version, where vLLM keeps none)."""
+        c = json.loads(call)
+        unknown = set(c) - {"start", "update_info", "finish", "version"}
+        if unknown:
+            raise ValueError(f"skyrl_weight_update: unknown fields {sorted(unknown)}")
+        if c.get("start"):
+            self.start_weight_update()
+        if c.get("update_info") is not None:
+            self.update_weights(c["update_info"])
+        if c.get("finish"):
+            self.finish_weight_update()
+            if c.get("version") is not None:
+                self._skyrl_served_version = str(c["version"])
+        return {"weight_version": getattr(self, "_skyrl_served_version", None)}
 
     def skyrl_served_weight_version(self) -> dict:
         return {"weight_version": getattr(self, "_skyrl_served_version", None)}

@@ -82,6 +82,16 @@ class SkyrlBucketUpdateInfo(WeightTransferUpdateInfo):
     checksums: list | None = None
 
 
+def _check_sums(version, names: list, got: torch.Tensor, expected: list) -> None:
+    """Raises WeightSyncError naming the tensors whose landed checksums differ from the sender's."""
+    from ..rollout.errors import WeightSyncError
+
+    exp = torch.tensor(expected, dtype=torch.int64)
+    bad = [names[i] for i in (got.cpu() != exp).any(1).nonzero().flatten().tolist()]
+    if bad:
+        raise WeightSyncError(f"update {version}: checksum mismatch over CUDA IPC for {bad[:3]}")
+
+
 class _LoadSink(ReceiveSink):
     def __init__(self, engine: "SkyrlBucketWeightTransferEngine"):
         self.engine = engine
@@ -256,11 +266,7 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
                 learn["sums"][name] = sums[-1]
             weights.append((name, t))
         if info.verify and weights:
-            got = torch.stack(sums).cpu()
-            exp = torch.tensor(info.checksums, dtype=torch.int64)
-            bad = [weights[i][0] for i in (got != exp).any(1).nonzero().flatten().tolist()]
-            if bad:
-                raise WeightSyncError(f"update {info.version}: checksum mismatch over CUDA IPC for {bad[:3]}")
+            _check_sums(info.version, [w[0] for w in weights], torch.stack(sums), info.checksums)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model.load_weights(weights=weights)
@@ -282,10 +288,7 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         if info.verify and rows:
             got = torch.empty(len(rows), 2, dtype=torch.int64, device=self.device)
             plan.checksums(got, lambda slot: slot)
-            exp = torch.tensor([info.checksums[i] for i in rows], dtype=torch.int64)
-            bad = [entries[rows[i]][0] for i in (got.cpu() != exp).any(1).nonzero().flatten().tolist()]
-            if bad:
-                raise WeightSyncError(f"update {info.version}: checksum mismatch over CUDA IPC for {bad[:3]}")
+            _check_sums(info.version, [entries[i][0] for i in rows], got, [info.checksums[i] for i in rows])
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:  # abstract in vLLM 0.26's base

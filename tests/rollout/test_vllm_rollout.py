@@ -283,8 +283,15 @@ def test_control_calls_reach_every_server(stack):
     ctl, url = stack["ctl"], stack["router"].url
     assert ctl.health() == {u: True for u in ctl.urls}
     assert ctl.reset_prefix_cache() == {u: True for u in ctl.urls}
-    ctl.sleep(1)
+    ctl.sleep(1)  # vLLM's sleep pauses scheduling (held_by_sleep: a sync then skips its own pause)
+    seen = [ctl.held_by_sleep, ctl.is_paused()]
+    ctl.wake_up(tags=["weights"])
+    seen += [ctl.held_by_sleep, ctl.is_paused()]
     ctl.wake_up()
+    print("held_by_sleep after sleep / partial wake:", seen)
+    assert seen[0] and seen[1] == {u: True for u in ctl.urls}
+    assert seen[2] == all(seen[3].values())  # seen, not assumed (the CPU executor never sleeps)
+    assert not ctl.held_by_sleep and ctl.is_paused() == {u: False for u in ctl.urls}
     ctl.set_weight_version("0")
     assert ctl.weight_versions() == {u: "0" for u in ctl.urls}
     assert ctl.collective_rpc("skyrl_weight_version") == {u: [{"version": None, "rank": 0}] for u in ctl.urls}

@@ -299,6 +299,17 @@ def main():
                 client.call("save_logits", {"input_ids": fixed_ids().tolist(), "file": "receiver_v8.safetensors"})
                 results["receiver_v8"] = client.call("report")[0]
                 results["sender_digest"] = transport.last_digest
+                # colocated as in training: asleep, weights woken; the sleep holds scheduling, so
+                # the sync sends no pause / prefix-cache reset / resume and waking resumes it
+                ctl.sleep(1)
+                ctl.wake_up(tags=["weights"])
+                results["held_before"] = ctl.held_by_sleep
+            sync_weights(bridge, models, transport, version=9, bucket_bytes=BUCKET)
+            if rank == 0:
+                results["held_sync"] = {"timings": sorted(transport.timings), "paused": ctl.is_paused(),
+                                        "versions": ctl.weight_versions()}
+                ctl.wake_up(tags=["kv_cache"])
+                results["after_wake"] = {"paused": ctl.is_paused(), "versions": ctl.weight_versions()}
         finally:
             if rank == 0:
                 stop(transport, rx_proc)

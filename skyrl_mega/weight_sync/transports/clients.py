@@ -1,18 +1,22 @@
 """Control-plane clients: vLLM's four weight-transfer calls, to every engine of a transport.
 
     EngineClient       what a transport needs from one group of receivers (the interface)
-    HttpEngineClient   every vLLM server directly (never the router), through vLLM's own
-                       endpoints (VLLM_SERVER_DEV_MODE=1): POST /init_weight_transfer_engine
-                       {"init_info"}, /start_weight_update, /update_weights {"update_info"},
-                       /finish_weight_update {"weight_version"}; GET /get_world_size gives each
-                       server's worker count, so each server gets its own rank offset in the
-                       transfer group.
+    HttpEngineClient   every vLLM server directly (never the router), VLLM_SERVER_DEV_MODE=1:
+                       POST /init_weight_transfer_engine {"init_info"} (vLLM's endpoint), then
+                       per update vLLM's worker calls start_weight_update / update_weights /
+                       finish_weight_update through ONE POST /collective_rpc per round
+                       ("skyrl_weight_update" of the worker extension, rollout/vllm_plugin.py):
+                       the start rides on the first round, and the commit's answer carries the
+                       served version (vLLM's own endpoints would cost a round trip each, and
+                       0.26 keeps no version). GET /get_world_size gives each server's worker
+                       count, so each server gets its own rank offset in the transfer group.
 Every HTTP method fans out to all servers and raises WeightSyncError naming each that failed.
 Bodies are JSON; nothing else crosses the process boundary.
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -63,6 +67,7 @@ class HttpEngineClient(EngineClient):
         self.control = control
         self.timeout_s = timeout_s
         self._sizes: list[int] | None = None
+        self._start_pending = False
 
     @property
     def urls(self) -> list[str]:
@@ -100,20 +105,39 @@ class HttpEngineClient(EngineClient):
             off += n
         return self._each("POST", "/init_weight_transfer_engine", bodies)
 
+    # start / update / finish go through the worker extension's skyrl_weight_update (module
+    # doc): the start rides on the first round, the commit answers the served version
     def start(self) -> Any:
-        return self._each("POST", "/start_weight_update", timeout_s=120)
+        self._start_pending = True
+        return None
+
+    def _call(self, call: dict) -> dict:
+        if self._start_pending:
+            call = {"start": True, **call}
+        self._start_pending = False  # sent (whatever the answer: a failed start fails the update)
+        body = {"method": "skyrl_weight_update", "kwargs": {"call": json.dumps(call)}, "timeout": self.timeout_s}
+        out = self._each("POST", "/collective_rpc", [body] * len(self.urls))
+        return {u: (r or {}).get("results") or [] for u, r in out.items()}
 
     def update(self, update_info: dict) -> Any:
-        return self._each("POST", "/update_weights", [{"update_info": update_info}] * len(self.urls))
+        return self._call({"update_info": update_info})
 
     def finish(self, version) -> Any:
-        body = {"weight_version": None if version is None else str(version)}
-        out = self._each("POST", "/finish_weight_update", [body] * len(self.urls))
+        if self._start_pending and version is None:  # aborted before anything reached the engines
+            self._start_pending = False
+            return {}
+        out = self._call({"finish": True, "version": None if version is None else str(version)})
         if version is not None:
             self.control.record_finished_version(version)
         return out
 
     def versions(self, finish_reply=None) -> dict:
+        if finish_reply and not self.control.caps.has("/weight_info"):
+            got = {}
+            for u, workers in finish_reply.items():
+                vs = sorted({str(w.get("weight_version")) for w in workers})
+                got[u] = vs[0] if len(vs) == 1 else vs  # workers that disagree fail the check
+            return got
         return self.control.weight_versions()
 
     def reset(self) -> None:

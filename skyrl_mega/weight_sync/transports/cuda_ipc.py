@@ -253,7 +253,7 @@ class CudaIpcTransport(WeightTransferTransport):
         info["sync"] = last or self.verify or self._uses_staging()
         try:
             # in order on one thread; the last round is answered after the engine's copies
-            self._inflight.append(self._exe.submit(self._fanout, lambda c: c.update(info)))
+            self._inflight.append(self._exe.submit(self._post_round, info))
         except BaseException:
             self._layouts = {}  # a receiver may not hold the layout: send it in full next time
             raise
@@ -263,6 +263,11 @@ class CudaIpcTransport(WeightTransferTransport):
         self.rounds += 1
         self.timings["rounds"] = self._round
         self.timings["round_s"] = self.timings.get("round_s", 0.0) + time.perf_counter() - t0
+
+    def _post_round(self, info: dict) -> list:
+        out = self._fanout(lambda c: c.update(info))
+        self.timings.setdefault("round_answered_at_s", []).append(time.perf_counter() - self._t_start)
+        return out
 
     def _uses_staging(self) -> bool:
         return any(self._packed(b) for b, _, _ in self._round_items)

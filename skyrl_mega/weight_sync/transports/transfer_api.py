@@ -8,6 +8,8 @@ start_weight_update / update_weights / finish_weight_update), fanned out over cl
 the trainer's TCPStore (rendezvous of the transfer group; clients that talk through it get a
 connection of their own), pausing, the commit (finish_weight_update(version) everywhere,
 version check, prefix-cache reset, resume) and leaving the engines paused after a failure.
+Engines held by their sleep (EngineControl.held_by_sleep: colocated, weights woken, KV cache
+asleep) are neither paused, reset nor resumed by the sync: waking their KV cache resumes them.
 
 send_bucket(bucket, buf, direct) = `_seal` (what the receivers will check the bucket against:
 order, header, checksums) then `_ship` (the bytes leave: a broadcast, or a place in the next
@@ -101,8 +103,13 @@ class WeightTransferTransport(WeightTransport):
             raise WeightSyncError("; ".join(errs))
         return out
 
+    def _held(self) -> bool:
+        """Engines asleep with their weights woken (colocated): their sleep keeps scheduling
+        paused and left no prefix cache, so the sync neither pauses, resets nor resumes them."""
+        return self.control is not None and self.control.held_by_sleep
+
     def _pause(self) -> None:
-        if self.control is not None and not self._paused:
+        if self.control is not None and not self._paused and not self._held():
             t0 = time.perf_counter()
             self.control.pause(mode=self.pause_mode, timeout_s=self.timeout_s)
             self.timings["pause_s"] = time.perf_counter() - t0
@@ -118,7 +125,7 @@ class WeightTransferTransport(WeightTransport):
         wrong = {k: v for k, v in versions.items() if str(v) != str(version)}
         if wrong:
             raise WeightSyncError(f"update {version}: engines report versions {wrong} after finishing")
-        if self.control is not None:
+        if self.control is not None and not self._held():
             ok = self.control.reset_prefix_cache(reset_running_requests=self.kv_after_update == "recompute")
             if not all(ok.values()):
                 logger.warning("update %s: prefix cache not reset on %s", version, [u for u, v in ok.items() if not v])
@@ -138,7 +145,7 @@ class WeightTransferTransport(WeightTransport):
                 self.http.finish(None)
             except Exception as e:  # an engine whose receive failed has finalised itself
                 logger.info("finalising the aborted update on the engines: %s", e)
-        if not self._touched and self._paused and self.control is not None:
+        if not self._touched and self._paused and self.control is not None and not self._held():
             self.control.resume()  # nothing reached them: resume on the old weights
             self._paused = False
 
