@@ -266,7 +266,9 @@ class CudaIpcTransport(WeightTransferTransport):
 
     def _post_round(self, info: dict) -> list:
         out = self._fanout(lambda c: c.update(info))
-        self.timings.setdefault("round_answered_at_s", []).append(time.perf_counter() - self._t_start)
+        at = time.perf_counter() - self._t_start  # metrics are scalars: the first and the last answer
+        self.timings.setdefault("first_answer_at_s", at)
+        self.timings["last_answer_at_s"] = at
         return out
 
     def _uses_staging(self) -> bool:
