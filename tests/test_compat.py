@@ -86,12 +86,13 @@ def test_importing_compat_applies_nothing():
     code = ("import torch, torch.distributed as d\n"
             "device, a2a = torch.cuda.current_device, d.all_to_all_single\n"
             "import skyrl_mega.compat as c\n"
-            "from skyrl_mega.compat import megatron_core, mbridge, transformers\n"
+            "from skyrl_mega.compat import megatron_core, mbridge, transformers, mamba_ssm\n"
+            "import sys\n"
             "c.all_shims()\n"
             "print(c.applied() == [], torch.cuda.current_device is device, d.all_to_all_single is a2a,\n"
-            "      torch._C._is_torch_function_mode_enabled())\n")
+            "      torch._C._is_torch_function_mode_enabled(), 'causal_conv1d' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    assert out.stdout.split() == ["True", "True", "True", "False"]
+    assert out.stdout.split() == ["True", "True", "True", "False", "False"]
 
 
 def test_rope_theta_from_rope_parameters():

@@ -162,3 +162,16 @@ def test_shard_for_dp_is_a_balanced_partition():
     counts = [len(s) for s in shards]
     assert max(counts) - min(counts) <= 1
     assert shard_for_dp(lens, 1, 0) == list(range(8))
+
+
+def test_packed_seq_params_carry_the_sequence_index_where_megatron_reads_it():
+    """megatron-core 0.19 Mamba layers take seq_idx from PackedSeqParams, built only from
+    total_tokens (without it their state runs across the packed sequences); 0.16 builds it in
+    the mixer from cu_seqlens."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if "total_tokens" not in PackedSeqParams.__dataclass_fields__:
+        pytest.skip("this megatron-core builds seq_idx in the Mamba mixer from cu_seqlens")
+    lay = MicroBatchLayout.build([3, 2, 4], packed=True, multiple=2)
+    psp = lay.packed_seq_params()
+    assert psp.seq_idx.flatten().tolist() == [0] * 4 + [1] * 2 + [2] * 4

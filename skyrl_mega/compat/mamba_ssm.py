@@ -1,0 +1,90 @@
+"""mamba-ssm / causal-conv1d shim: stand-in modules where those GPU packages are absent.
+
+In:  `apply_mamba_kernel_standins()`, called by the hybrid model build (before megatron's Mamba
+     modules are imported) in a process without the real packages.
+Out: importable `mamba_ssm.ops.triton.{ssd_combined, layernorm_gated, selective_state_update}`
+     and `causal_conv1d{, .causal_conv1d_varlen}` whose functions are the project's plain-PyTorch
+     kernels (skyrl_mega/megatron/kernels/), so megatron-core's own MambaMixer (with its TP / CP
+     splits, packed sequences and dist-ckpt layout) runs on CPU. Nothing is replaced where the
+     real package imports: a GPU machine with mamba-ssm built keeps its kernels.
+
+Why a module stand-in and not a subclass: megatron's mamba_mixer.py binds the kernel names at
+import (`from mamba_ssm.ops.triton.ssd_combined import ...`), raises in MambaMixer.__init__
+when they were absent and builds its norm from mamba_ssm's RMSNorm class; read in megatron-core
+0.16.1 and 0.19.2 (identical imports). The stand-ins report the API versions they implement
+(`API_VERSIONS`, with a "+skyrl.cpu" local label) for megatron's packed-sequence version check.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+from .guard import Shim, mark_applied
+
+_READ = "0.16.1, 0.19.2"
+SHIMS = (
+    Shim("mamba_ssm", "kernel_standins", "megatron-core", ">=0.16.1,<0.20", _READ,
+         "megatron's MambaMixer imports mamba_ssm / causal_conv1d kernels at import and raises "
+         "without them; stand-in modules serve the project's PyTorch kernels under those names",
+         "tests/test_kernels_mamba.py::test_megatron_mamba_mixer_on_the_standins_equals_transformers",
+         "mamba_ssm and causal_conv1d are not importable, megatron.core.ssm.mamba_mixer not yet imported"),
+)
+API_VERSIONS = {"mamba_ssm": "2.2.6.post3+skyrl.cpu", "causal_conv1d": "1.5.3.post1+skyrl.cpu"}
+_MIXER = "megatron.core.ssm.mamba_mixer"
+
+
+def _real(name: str) -> bool:
+    mod = sys.modules.get(name)
+    if mod is not None:
+        return not getattr(mod, "__skyrl_standin__", False)
+    return importlib.util.find_spec(name) is not None
+
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
+    m.__path__ = []
+    m.__skyrl_standin__ = True
+    m.__dict__.update(attrs)
+    sys.modules[name] = m
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, m)
+    return m
+
+
+def apply_mamba_kernel_standins() -> bool:
+    """Registers the stand-ins where the real packages are absent; True when they are in use.
+    Raises RuntimeError when megatron's mixer was already imported without kernels (too late)."""
+    shim = SHIMS[0]
+    if _real("mamba_ssm") and _real("causal_conv1d"):
+        return False
+    if not shim.needed_here():
+        raise RuntimeError(f"no Mamba kernels: mamba_ssm / causal_conv1d are not installed and the CPU "
+                           f"stand-ins are checked against megatron-core {shim.needed} only")
+    if "mamba_ssm" in sys.modules and "causal_conv1d" in sys.modules:
+        return True  # applied before in this process
+    mixer = sys.modules.get(_MIXER)
+    if mixer is not None and not getattr(mixer, "HAVE_MAMBA_SSM", False):
+        raise RuntimeError(f"{_MIXER} was imported before the Mamba kernel stand-ins were registered; "
+                           "call skyrl_mega.compat.mamba_ssm.apply_mamba_kernel_standins() first")
+    from ..megatron.kernels import conv1d, gated_rmsnorm, ssd
+
+    if not _real("mamba_ssm"):
+        _module("mamba_ssm", __version__=API_VERSIONS["mamba_ssm"])
+        _module("mamba_ssm.ops")
+        _module("mamba_ssm.ops.triton")
+        _module("mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=ssd.mamba_chunk_scan_combined,
+                mamba_split_conv1d_scan_combined=ssd.mamba_split_conv1d_scan_combined)
+        _module("mamba_ssm.ops.triton.layernorm_gated", RMSNorm=gated_rmsnorm.RMSNorm,
+                rmsnorm_fn=gated_rmsnorm.gated_rmsnorm)
+        _module("mamba_ssm.ops.triton.selective_state_update", selective_state_update=ssd.selective_state_update)
+    if not _real("causal_conv1d"):
+        _module("causal_conv1d", __version__=API_VERSIONS["causal_conv1d"],
+                causal_conv1d_fn=conv1d.causal_conv1d_fn, causal_conv1d_update=conv1d.causal_conv1d_update)
+        _module("causal_conv1d.causal_conv1d_varlen", causal_conv1d_varlen_states=conv1d.causal_conv1d_varlen_states)
+    mark_applied(shim)
+    return True
