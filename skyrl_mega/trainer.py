@@ -72,11 +72,12 @@ def main(argv: list[str]) -> None:
                 metrics.update(sync_with_retries(cfg, ctrl, policy, version=step + 1))
             metrics.update(mem)
             metrics.update(on_rank0("waking the engines' KV cache", lambda: ctrl.engines.before_rollout()) or {})
-            save_due(cfg, policy, ctrl, ckpt_root, step + 1)
             step_s = time.perf_counter() - t0
             metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train, "time/step_s": step_s,
                             "tokens_per_s": sum(batch.lengths) / step_s})
+            # logged before the checkpoint: a step whose checkpoint exists has its metrics on disk
             on_rank0("logging metrics", lambda: metrics_log.log(step, metrics))
+            save_due(cfg, policy, ctrl, ckpt_root, step + 1)
 
         hf_dir = save_final(cfg, policy, ctrl, ckpt_root)
         if ctrl is not None:

@@ -105,6 +105,9 @@ def test_kill_after_checkpoint_then_resume_is_exact(short, tiny_qwen3_moe):
     _wait_for(marker.exists, proc, 600, "the step-3 checkpoint")
     kill_tree(proc.pid)  # torchrun and its ranks, as a node failure would
     proc.wait()
+    # the checkpoint of step 3 exists, so the metrics of steps 0-2 are on disk (the resume starts
+    # at 3; a row logged after the checkpoint was lost when the kill came first)
+    assert [r["step"] for r in _metrics(out)][:3] == [0, 1, 2]
     run_torchrun("skyrl_mega.trainer", 2, args, timeout=600, log_file=str(root / "resumed.log"))
     assert "resuming from step 3" in open(root / "resumed.log").read()
     resumed = {r["step"]: r for r in _metrics(out)}
