@@ -187,7 +187,7 @@ class EngineControl:
         """After skyrl_weight_update finished `version` (the worker extension then serves it): a
         vLLM that keeps a version of its own (0.30: /update_weight_version) is told as well."""
         if self.caps.has("/update_weight_version"):
-            self._all("POST", "/update_weight_version", {"new_version": str(version)})
+            self.set_weight_version(version)
 
     def set_weight_version(self, version: str | int) -> None:
         if self.caps.has("/update_weight_version"):

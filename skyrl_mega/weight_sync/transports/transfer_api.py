@@ -1,8 +1,9 @@
 """WeightTransferTransport: the shared part of the transports that drive vLLM's weight-transfer API.
 
 NcclBroadcastTransport and CudaIpcTransport both talk to their receivers through the four
-calls of vLLM's native weight-transfer API (init_weight_transfer_engine /
-start_weight_update / update_weights / finish_weight_update), fanned out over clients
+steps of vLLM's weight-transfer API (init_weight_transfer_engine / start_weight_update /
+update_weights / finish_weight_update; for vLLM servers one round trip per round, clients.py),
+fanned out over clients
 (clients.py): the vLLM servers behind `control` (an EngineControl) and/or other receivers
 (`receivers=[...]`, EngineClient instances). This class holds what they share: the clients,
 the trainer's TCPStore (rendezvous of the transfer group; clients that talk through it get a
