@@ -20,6 +20,7 @@ from skyrl_mega.megatron import specs
 _REGISTRY: dict[str, str] = {
     # model_type -> "module:Class"
     "qwen3_moe": "bridges.qwen3_moe:Qwen3MoeBridge",
+    "nemotron_h": "bridges.nemotron_h:NemotronHBridge",
 }
 
 
@@ -51,7 +52,7 @@ class ModelBridge:
             raise ValueError(f"no bridge for model_type {model_type!r}; registered: {sorted(_REGISTRY)}")
         module, cls = _REGISTRY[model_type].split(":")
         bridge_cls = getattr(importlib.import_module(module), cls)
-        self.spec = specs.resolve_spec(spec)
+        self.spec = specs.resolve_spec(spec, family=model_type)
         self.use_te = self.spec == "te"
         self.routing_replay = bool(config_overrides.pop("moe_enable_routing_replay", False) or routing_replay)
         self.impl = bridge_cls(self.hf_config, dtype=dtype)
@@ -73,6 +74,8 @@ class ModelBridge:
     @property
     def moe_layers(self) -> list[int]:
         """Global (0-based) numbers of the MoE layers."""
+        if hasattr(self.impl, "moe_layer_numbers"):  # hybrid families: read off the layer pattern
+            return list(self.impl.moe_layer_numbers)
         freq = self.config.moe_layer_freq
         n = self.config.num_layers
         if isinstance(freq, int):

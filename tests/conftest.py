@@ -13,6 +13,14 @@ def tiny_qwen3_moe(tmp_path_factory):
     return make_tiny("qwen3_moe", str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
 
 
+@pytest.fixture(scope="session")
+def tiny_nemotron3(tmp_path_factory):
+    """A tiny random-weight Nemotron 3 (NemotronH) checkpoint: every layer kind (M E * - M E)."""
+    from skyrl_mega.models.tiny import make_tiny
+
+    return make_tiny("nemotron3", str(tmp_path_factory.mktemp("tiny_nemotron3")))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -1,4 +1,6 @@
-"""`skyrl-mega convert`: HF -> dist-ckpt at EP=2 -> HF at TP=2 is bit-exact (dist-ckpt reshards);
+"""`skyrl-mega convert`: HF -> dist-ckpt at EP=2 -> HF at TP=2 is bit-exact (dist-ckpt reshards),
+and for Nemotron 3 HF -> dist-ckpt at PP=2 (stages of mixed layer kinds) -> HF at TP=2 (megatron
+saves the Mamba in_proj / conv1d as their parts);
 conversion is strict: a dist-ckpt holding layers the target architecture lacks is an error
 naming them, and nothing is written."""
 
@@ -21,12 +23,22 @@ def mcore(tiny_qwen3_moe, tmp_path_factory):
     return out
 
 
-def test_round_trip_across_layouts(mcore, tiny_qwen3_moe, tmp_path):
+@pytest.fixture(scope="module")
+def nemotron_mcore(tiny_nemotron3, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("convert_nemotron") / "mcore")
+    assert cli.main(["convert", "hf-to-mcore", tiny_nemotron3, out, "--nproc", "2", "parallel.pp=2"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron3"])
+def test_round_trip_across_layouts(family, request, tmp_path):
+    hf = request.getfixturevalue(f"tiny_{family}")
+    mcore = request.getfixturevalue({"qwen3_moe": "mcore", "nemotron3": "nemotron_mcore"}[family])
     back = str(tmp_path / "hf")
     assert os.path.exists(os.path.join(mcore, "metadata.json"))
-    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", tiny_qwen3_moe, "--nproc", "2",
+    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", hf, "--nproc", "2",
                      "parallel.tp=2"]) == 0
-    original = load_file(os.path.join(tiny_qwen3_moe, "model.safetensors"))
+    original = load_file(os.path.join(hf, "model.safetensors"))
     converted = {}
     for f in glob.glob(os.path.join(back, "*.safetensors")):
         converted.update(load_file(f))

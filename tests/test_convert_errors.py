@@ -81,8 +81,9 @@ def _missing_shard(model, tmp):
 def _unknown_family(model, tmp):
     from skyrl_mega.models.tiny import make_tiny
 
-    d = make_tiny("nemotron3", str(tmp / "nemotron3"))
-    return d, f"{d}/config.json: model_type 'nemotron_h' is not supported (no bridge; supported: qwen3_moe)"
+    d = make_tiny("qwen3_5_moe", str(tmp / "qwen3_5_moe"))
+    return d, (f"{d}/config.json: model_type 'qwen3_5_moe_text' is not supported "
+               "(no bridge; supported: nemotron_h, qwen3_moe)")
 
 
 @pytest.mark.parametrize("case", [_truncated, _no_dir, _no_config, _no_weights, _missing_shard, _unknown_family])

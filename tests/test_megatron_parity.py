@@ -1,7 +1,8 @@
-"""Megatron vs transformers, and layouts vs world size 1, on real torchrun gloo ranks.
+"""Megatron vs transformers, and layouts vs world size 1, on real torchrun gloo ranks, for each
+model family (Qwen3-MoE; Nemotron 3: Mamba2 + attention + MLP + MoE on the CPU kernels).
 
-One torchrun per layout runs tests/workers/parity_worker.py (logits, HF export, 5 LM steps,
-the layer spec's modules).
+One torchrun per family and layout runs tests/workers/parity_worker.py (logits, packed logits,
+HF export, 5 LM steps, the layer spec's modules).
 """
 
 import json
@@ -18,17 +19,24 @@ from .conftest import REPO
 pytestmark = pytest.mark.multiprocess
 LAYOUTS = {"ws1": (1, []), "tp2": (2, ["parallel.tp=2"]), "ep2": (2, ["parallel.ep=2"]),
            "pp2": (2, ["parallel.pp=2"])}
+FAMILIES = ("qwen3_moe", "nemotron3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    """(family, tiny HF checkpoint dir)."""
+    return request.param, request.getfixturevalue(f"tiny_{request.param}")
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_qwen3_moe, tmp_path_factory):
+def runs(family, tmp_path_factory):
     out = {}
     for name, (nproc, extra) in LAYOUTS.items():
-        d = tmp_path_factory.mktemp(name)
+        d = tmp_path_factory.mktemp(f"{family[0]}_{name}")
         # adam_eps 1e-6: with 1e-8, Adam turns rounding noise in near-zero gradients into
         # lr-sized steps, so final weights would differ by ~lr where losses agree to 1e-7
         run_torchrun(os.path.join(REPO, "tests/workers/parity_worker.py"), nproc,
-                     [str(d), f"model.path={tiny_qwen3_moe}", "optim.lr=1e-3", "optim.adam_eps=1e-6", *extra],
+                     [str(d), f"model.path={family[1]}", "optim.lr=1e-3", "optim.adam_eps=1e-6", *extra],
                      timeout=400, log_file=str(d / "log.txt"))
         out[name] = d
     return out
@@ -45,17 +53,30 @@ def _hf_logits(path):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_logits_match_transformers(runs, layout, tiny_qwen3_moe):
+def test_logits_match_transformers(runs, layout, family):
     got = load_file(runs[layout] / "logits.safetensors")["logits"]
-    ref = _hf_logits(tiny_qwen3_moe)
+    ref = _hf_logits(family[1])
     assert got.shape == ref.shape
+    assert ref.abs().max().item() > 0.5  # logits big enough for 1e-4 to mean something
     assert (got - ref).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_hf_export_round_trip_is_bit_exact(runs, layout, tiny_qwen3_moe):
+def test_packed_logits_equal_unpacked(runs, layout):
+    """Sequences packed in one THD row give their unpacked logits: no attention and no Mamba
+    state crosses a sequence boundary."""
+    from tests.workers.parity_worker import PACKED_LENGTHS
+
+    saved = load_file(runs[layout] / "logits.safetensors")
+    for i, n in enumerate(PACKED_LENGTHS):
+        assert saved[f"packed{i}"].shape == saved["logits"][i, :n].shape
+        assert (saved[f"packed{i}"] - saved["logits"][i, :n]).abs().max().item() < 1e-5, i
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hf_export_round_trip_is_bit_exact(runs, layout, family):
     exported = load_file(runs[layout] / "export.safetensors")
-    original = load_file(os.path.join(tiny_qwen3_moe, "model.safetensors"))
+    original = load_file(os.path.join(family[1], "model.safetensors"))
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype, name
@@ -79,8 +100,21 @@ def test_training_matches_world_size_one(runs, layout):
         assert (final[k] - final_ref[k]).abs().max().item() < 1e-5, k
 
 
+def test_score_correction_bias_is_kept_through_training(runs, family):
+    """NemotronH's router bias is a buffer megatron could update (aux-loss-free balancing):
+    RL keeps it as loaded, and it is exported with the weights."""
+    if family[0] != "nemotron3":
+        pytest.skip("Qwen3-MoE routers have no score-correction bias")
+    start = load_file(os.path.join(family[1], "model.safetensors"))
+    final = load_file(runs["ws1"] / "final.safetensors")
+    biases = [k for k in start if k.endswith("gate.e_score_correction_bias")]
+    assert len(biases) == 2 and all(start[k].abs().max() > 0 for k in biases)
+    for k in biases:
+        assert torch.equal(final[k], start[k]), k
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layer_spec_modules(runs, layout):
+def test_layer_spec_modules(runs, layout, family):
     """The local spec's entries are built as modules of their own class (no class swapped after
     the build), and an R3 build's routers hold per-model replay state, none in megatron's list."""
     spec = json.load(open(runs[layout] / "spec.json"))
@@ -90,5 +124,6 @@ def test_layer_spec_modules(runs, layout):
     assert spec["r3"]["routers"] == ["R3TopKRouter"] and spec["r3"]["router_replay"] == ["R3RouterReplay"]
     assert spec["r3"]["core_attention"] == ["SdpaDotProductAttention"]
     assert spec["r3_global_instances_added"] == 0 and spec["r3_megatron_flag"] is False
-    assert {"mbridge.layer_spec", "mbridge.local_param_names", "transformers.rope_theta",
-            "megatron_core.cuda_stubs"} <= set(spec["applied"])
+    shims = {"qwen3_moe": {"mbridge.layer_spec", "transformers.rope_theta"},
+             "nemotron3": {"mamba_ssm.kernel_standins"}}[family[0]]
+    assert shims | {"mbridge.local_param_names", "megatron_core.cuda_stubs"} <= set(spec["applied"])

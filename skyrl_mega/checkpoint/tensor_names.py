@@ -48,10 +48,21 @@ def hf_file_tensor_names(hf_dir: str) -> set[str]:
 
 
 def requested_keys(sharded_state: dict) -> set[str]:
-    """Tensor keys (not _extra_state objects) that dist_checkpointing.load would read."""
+    """Tensor keys (not _extra_state objects) that dist_checkpointing.load would read. A
+    ShardedTensorFactory stands for the tensors its build() makes (megatron's Mamba mixer saves
+    in_proj / conv1d as their parts, `in_proj.weight.z` ...)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    return {v.key for v in nested_values(sharded_state) if not v.key.endswith("_extra_state")}
+    keys, todo = set(), list(nested_values(sharded_state))
+    while todo:
+        v = todo.pop()
+        if isinstance(v, ShardedTensorFactory):
+            built = v.build()
+            todo.extend(nested_values(built) if isinstance(built, (dict, list)) else [built])
+        elif not v.key.endswith("_extra_state"):
+            keys.add(v.key)
+    return keys
 
 
 def dist_ckpt_model_keys(ckpt_dir: str) -> set[str]:

@@ -11,10 +11,11 @@ import torch
 
 
 class SequenceParallelRMSNorm(torch.nn.Module):
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+    def __init__(self, config, hidden_size: int, eps: float | None = None, **_):
+        """eps None: the config's layernorm_epsilon (megatron-core 0.16's MambaLayer passes none)."""
         super().__init__()
         self.config = config
-        self.eps = eps
+        self.eps = config.layernorm_epsilon if eps is None else eps
         self.weight = torch.nn.Parameter(
             torch.ones(hidden_size, dtype=config.params_dtype, device="cpu" if config.use_cpu_initialization else None)
         )

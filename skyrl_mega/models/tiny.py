@@ -50,13 +50,16 @@ def _qwen3_5_moe_config(**overrides):
 def _nemotron3_config(**overrides):
     from transformers import NemotronHConfig
 
+    # every layer kind, a dense MLP too; 2 SSM groups and 4 heads so TP=2 splits B / C and the
+    # heads; Nemotron 3 Nano's routed scaling factor (a dropped factor must show)
     kw = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, layers_block_type=["mamba", "moe", "attention", "moe"],
+        head_dim=32, intermediate_size=64,
+        layers_block_type=["mamba", "moe", "attention", "mlp", "mamba", "moe"],
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32, n_groups=1, mamba_num_heads=4,
+        moe_shared_expert_intermediate_size=32, n_groups=2, mamba_num_heads=4,
         mamba_head_dim=16, ssm_state_size=16, max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        routed_scaling_factor=2.5, initializer_range=0.05, tie_word_embeddings=False,
     )
     kw.update(overrides)
     return NemotronHConfig(**kw)
@@ -87,14 +90,34 @@ SIZES = {
 class TinyFamily:
     name: str
     make_config: Callable
+    # spread the tensors HF initialises to one value (norm weights, D, score-correction bias):
+    # a swapped or dropped one then changes the output
+    spread_constants: bool = False
+
+
+def spread_constant_tensors(model, generator) -> list[str]:
+    """Adds seeded noise (relative 0.2, or 0.1 where all zero) to every float parameter or
+    buffer whose elements are all equal; returns their names."""
+    import torch
+
+    spread = []
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if not t.is_floating_point() or t.numel() < 2 or not bool((t == t.flatten()[0]).all()):
+                continue
+            noise = torch.randn(t.shape, generator=generator).to(t.device, t.dtype)
+            base = float(t.flatten()[0])
+            t.add_(noise * (0.2 * abs(base) if base else 0.1))
+            spread.append(name)
+    return spread
 
 
 FAMILIES = {
     f.name: f
     for f in (
         TinyFamily("qwen3_moe", _qwen3_moe_config),
-        TinyFamily("qwen3_5_moe", _qwen3_5_moe_config),
-        TinyFamily("nemotron3", _nemotron3_config),
+        TinyFamily("qwen3_5_moe", _qwen3_5_moe_config, spread_constants=True),
+        TinyFamily("nemotron3", _nemotron3_config, spread_constants=True),
     )
 }
 
@@ -121,6 +144,8 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
         torch.manual_seed(seed)
         with torch.device(device):  # a GPU initialises the large shapes in seconds
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        if FAMILIES[family].spread_constants:
+            spread_constant_tensors(model, torch.Generator().manual_seed(seed + 1))
         model.save_pretrained(out_dir)
     else:  # the class name only (vLLM picks its model by `architectures`): built on meta, nothing allocated
         with torch.device("meta"):

@@ -1,7 +1,8 @@
 """torchrun worker for the Megatron parity tests.
 
 Run: torchrun --nproc-per-node N tests/workers/parity_worker.py OUT_DIR model.path=... parallel.tp=...
-Writes to OUT_DIR (rank 0): logits.safetensors (full-vocab logits of a fixed batch),
+Writes to OUT_DIR (rank 0): logits.safetensors (full-vocab logits of a fixed batch, and of
+the same sequences cut to PACKED_LENGTHS and packed into one THD row),
 export.safetensors (HF export of the loaded weights), losses.json (5 LM training steps),
 final.safetensors (HF export after training) and spec.json (the module classes the layer spec
 built, also for an R3 build, and the compat shims applied).
@@ -22,6 +23,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.workers.lm_step import lm_train_step  # noqa: E402
 
 
+PACKED_LENGTHS = (16, 11, 7, 13)
+
+
+def packed_logits(models, ids):
+    """Full-vocab logits of ids[i, :PACKED_LENGTHS[i]] packed in one row: a list, one a sequence."""
+    from megatron.core import parallel_state as mpu
+
+    from skyrl_mega.megatron.packing import MicroBatchLayout, pad_multiple
+
+    layout = MicroBatchLayout.build(PACKED_LENGTHS, multiple=pad_multiple(mpu.get_tensor_model_parallel_world_size()))
+    mb = {"input_ids": layout.scatter([ids[i, :n] for i, n in enumerate(PACKED_LENGTHS)]),
+          "position_ids": layout.position_ids()}
+    out = forward.run_microbatches(
+        models, [mb], lambda mb, out: forward.gather_vocab_parallel(out).detach().cpu(), forward_only=True,
+        collect_non_loss_data=True, model_kwargs_fn=lambda mb: {"packed_seq_params": layout.packed_seq_params(forward.device())})
+    return layout.gather(out[0]) if out else []
+
+
 def fixed_batch(n_seq=4, seq=16, vocab=500, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n_seq, seq), generator=g)
@@ -31,7 +50,9 @@ def fixed_batch(n_seq=4, seq=16, vocab=500, seed=0):
 def spec_report(models) -> dict:
     """Class names of the modules in each spec slot (sorted sets; empty slots, IdentityOp, left
     out), and of the routers' replay state."""
-    slots = {"core_attention": (".core_attention",), "norms": ("layernorm", "final_layernorm"),
+    # the hybrid stack's Mamba-layer norm is `layers.N.norm`, its final one `final_norm`
+    slots = {"core_attention": (".core_attention",),
+             "norms": ("layernorm", "final_layernorm", "final_norm", *(f"layers.{i}.norm" for i in range(64))),
              "routers": (".router",)}
     out = {k: set() for k in [*slots, "router_replay"]}
     for model in models:
@@ -65,8 +86,10 @@ def main():
             models, mbs, lambda mb, out: forward.gather_vocab_parallel(out).detach().cpu(),
             forward_only=True, collect_non_loss_data=True,
         )
+        packed = packed_logits(models, ids)
     if last_stage and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
-        save_file({"logits": torch.cat(got, 0).contiguous()}, os.path.join(out_dir, "logits.tmp"))
+        save_file({"logits": torch.cat(got, 0).contiguous(),
+                   **{f"packed{i}": t.contiguous() for i, t in enumerate(packed)}}, os.path.join(out_dir, "logits.tmp"))
         os.replace(os.path.join(out_dir, "logits.tmp"), os.path.join(out_dir, "logits.safetensors"))
 
     # 2) HF export of the freshly loaded weights

@@ -13,7 +13,8 @@ Choices:
   fast   fused kernels without TE (the entry points in skyrl_mega/megatron/kernels/): not built
          yet, so choosing it is a ConfigError (never a silent fallback)
 The hybrid families' stack (Mamba2 layers) has its own local spec, hybrid_local.py, built by
-megatron/hybrid_model.py (no TE spec for it is wired yet).
+megatron/hybrid_model.py; no TE spec for it is wired yet, so for them `auto` is local and `te`
+is a ConfigError.
 Both built specs take `routing_replay=True`, which puts skyrl's R3 router in every MoE layer's
 router slot (common.R3TopKRouter).
 """
@@ -26,8 +27,10 @@ CHOICES = ("auto", "te", "local", "fast")
 NOT_BUILT = {"fast": "the fast layer spec (fused non-TE kernels, skyrl_mega/megatron/kernels/) is not built yet"}
 # what the local spec needs in megatron's config: no grouped GEMM, megatron's own attention
 LOCAL_CONFIG = dict(moe_grouped_gemm=False, attention_backend="local")
-# model family -> the block builder kind its layers use (the hybrid families will add theirs)
-FAMILIES = {"qwen3_moe": "gpt"}
+# model family (HF model_type) -> the block builder kind its layers use
+FAMILIES = {"qwen3_moe": "gpt", "nemotron_h": "hybrid"}
+# the spec choices each kind has built
+BUILT = {"gpt": ("te", "local"), "hybrid": ("local",)}
 
 
 def te_available() -> bool:
@@ -48,13 +51,18 @@ def spec_problem(choice: str) -> str | None:
     return None
 
 
-def resolve_spec(choice: str = "auto") -> str:
-    """'te' or 'local' for a `model.spec` choice; ConfigError for a choice that cannot be built here."""
+def resolve_spec(choice: str = "auto", family: str | None = None) -> str:
+    """'te' or 'local' for a `model.spec` choice (and model family, when known); ConfigError for
+    a choice that cannot be built here."""
     problem = spec_problem(choice)
     if problem:
         raise ConfigError(problem)
+    built = BUILT[FAMILIES.get(family, "gpt")]
     if choice == "auto":
-        return "te" if te_available() else "local"
+        return "te" if te_available() and "te" in built else "local"
+    if choice not in built:
+        raise ConfigError(f"model.spec={choice!r}: no {choice} layer spec is built for {family} yet; "
+                          f"use model.spec=local")
     if choice == "te" and not te_available():
         raise ConfigError("model.spec='te' but transformer_engine does not import here; "
                           "install transformer-engine or use model.spec=local")
