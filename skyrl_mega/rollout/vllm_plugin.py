@@ -35,7 +35,7 @@ import logging
 import os
 import time
 
-from ..compat.vllm import apply_cpu_moe_reload_fix, set_enabled
+from ..compat.vllm import apply_cpu_moe_reload_fix, apply_cpu_nongated_moe, set_enabled
 
 logger = logging.getLogger("vllm.skyrl_plugin")  # runs inside vLLM: through its log handlers
 
@@ -48,6 +48,10 @@ def register() -> None:
         apply_cpu_moe_reload_fix()
     except Exception as e:  # never break vLLM start-up; the worker extension retries the fix
         logger.warning("skyrl_mega plugin: CPU MoE reload fix not installed: %r", e)
+    try:
+        apply_cpu_nongated_moe()
+    except Exception as e:  # a model with non-gated experts then fails at start with vLLM's error
+        logger.warning("skyrl_mega plugin: CPU non-gated MoE experts not installed: %r", e)
     try:
         register_weight_transfer_backend()
     except Exception as e:  # an older vLLM without the weight-transfer registry

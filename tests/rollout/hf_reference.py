@@ -21,7 +21,12 @@ class HFReference:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.moe_layers = [i for i, layer in enumerate(self.model.model.layers) if hasattr(layer.mlp, "gate")]
+        self.gates = {i: g for i, g in enumerate(map(_moe_gate, self._layers())) if g is not None}
+        self.moe_layers = sorted(self.gates)
+
+    def _layers(self):
+        base = getattr(self.model, "model", None) or self.model.backbone  # NemotronH: backbone.*
+        return base.layers
 
     @torch.no_grad()
     def score(self, prompt: list[int], response: list[int]):
@@ -35,7 +40,7 @@ class HFReference:
                 else:
                     logits = out[0] if isinstance(out, tuple) else out
                     captured[i] = torch.topk(torch.softmax(logits.float(), -1), self.top_k, -1).indices
-            hooks.append(self.model.model.layers[i].mlp.gate.register_forward_hook(hook))
+            hooks.append(self.gates[i].register_forward_hook(hook))
         try:
             ids = torch.tensor([prompt + response])
             logits = self.model(ids).logits[0].float()
@@ -47,6 +52,14 @@ class HFReference:
         resp_lp = lp[p - 1 : p - 1 + len(response)].gather(1, torch.tensor(response)[:, None])[:, 0]
         routes = torch.stack([captured[i].reshape(len(prompt) + len(response), -1) for i in self.moe_layers], 1)
         return resp_lp.numpy(), routes.numpy()
+
+
+def _moe_gate(layer):
+    """The router of an MoE layer (Qwen3-MoE: mlp.gate; NemotronH: mixer.gate), else None."""
+    for block in (getattr(layer, "mlp", None), getattr(layer, "mixer", None)):
+        if block is not None and hasattr(block, "gate") and hasattr(block, "experts"):
+            return block.gate
+    return None
 
 
 def perturbed_checkpoint(src_dir: str, dst_dir: str, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:

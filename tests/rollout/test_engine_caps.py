@@ -106,3 +106,17 @@ def test_engine_env_leaves_the_launchers_torchrun_variables_behind(monkeypatch):
     left = [k for k in env if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
             or k.startswith("TORCHELASTIC_")]
     assert left == []
+
+
+@pytest.mark.parametrize("family, layers", [("qwen3_moe", None), ("nemotron3", "mamba"), ("qwen3_5_moe", "linear_attention")])
+def test_hybrid_models_run_without_prefix_caching_where_prefill_is_not_chunked(family, layers, tmp_path):
+    """vLLM refuses prefix caching of Mamba / linear-attention state without chunked prefill
+    (cache mode 'align'), and chunked prefill is off on CPU: such a server got no engine."""
+    from skyrl_mega.models.tiny import make_tiny
+
+    model = make_tiny(family, str(tmp_path / family), weights=False)
+    cpu = ServerConfig(model=model).argv(8000)
+    assert "--no-enable-chunked-prefill" in cpu
+    assert ("--no-enable-prefix-caching" in cpu) == (layers is not None)
+    gpu = ServerConfig(model=model, device="gpu").argv(8000)  # chunked there: vLLM aligns the cache
+    assert "--no-enable-prefix-caching" not in gpu and "--no-enable-chunked-prefill" not in gpu

@@ -20,7 +20,7 @@ from skyrl_mega.rollout.errors import RolloutBadRequestError, RolloutConnectionE
 from skyrl_mega.weight_sync.transports.shm import SharedMemoryTransport
 
 from .hf_reference import max_abs_diff, perturbed_checkpoint
-from .vllm_stack import MARKS, MAX_MODEL_LEN, MOE, TOL, check_against_hf, prompts, rollout, run
+from .vllm_stack import MARKS, MAX_MODEL_LEN, MOE, TOL, check_against_hf, prompts, rollout, run, send_update
 
 pytestmark = MARKS
 
@@ -251,15 +251,6 @@ def test_control_calls_reach_every_server(stack):
 
 
 # -- 4. weight updates through /dev/shm -------------------------------------------------------------
-def _send_update(transport, tensors, version):
-    experts = [(k, v) for k, v in tensors.items() if ".experts." in k]
-    rest = [(k, v) for k, v in tensors.items() if ".experts." not in k]
-    with transport.update(version) as send:
-        send(experts)  # one expert-grouped bucket
-        send(rest)
-    return transport.last_report
-
-
 def test_weight_update_cpu_moe_bug_and_fix(stack, hf, tmp_path_factory):
     ctl, url = stack["ctl"], stack["router"].url
     base = stack["model"]
@@ -277,7 +268,7 @@ def test_weight_update_cpu_moe_bug_and_fix(stack, hf, tmp_path_factory):
         u: [{"enabled": False, "installed": True}] for u in ctl.urls
     }
     try:
-        _send_update(transport, w1, "1-nofix")
+        send_update(transport, w1, "1-nofix")
         broken, _ = check_against_hf(hf, run(rollout(url, ps, sampling, **MOE)), check_routes=False)
     finally:
         ctl.collective_rpc("skyrl_set_moe_reload_fix", {"enabled": "1"})
@@ -285,7 +276,7 @@ def test_weight_update_cpu_moe_bug_and_fix(stack, hf, tmp_path_factory):
 
     # with the fix: same weights again, then a second update
     for version, weights, d in ((1, w1, d1), (2, w2, d2)):
-        report = _send_update(transport, weights, version)
+        report = send_update(transport, weights, version)
         assert report == {u: [{"version": version, "num_tensors": len(weights),
                                 "seconds": report[u][0]["seconds"], "rank": 0}] for u in ctl.urls}
         assert ctl.weight_versions() == {u: str(version) for u in ctl.urls}
@@ -309,14 +300,14 @@ def test_keep_pause_across_a_weight_update(stack, hf, tmp_path_factory):
     w_new = perturbed_checkpoint(stack["model"], d_new, seed=3)
     transport = SharedMemoryTransport(ctl, pause_mode="keep", kv_after_update="recompute")
     if ctl.weight_versions() != {u: "2" for u in ctl.urls}:  # run alone: bring the engine to v2
-        _send_update(transport, w_old, 2)
+        send_update(transport, w_old, 2)
     prompt = prompts(1, seed=31)[0]
 
     async def go():
         async with RolloutClient(url, deadline_s=120) as c:
             task = await pause_mid_generation(c, ctl, prompt, LONG, "keep")  # frozen in flight
             # the transport pauses (keep; already paused), loads, recomputes KV, resumes
-            await asyncio.to_thread(_send_update, transport, w_new, 3)
+            await asyncio.to_thread(send_update, transport, w_new, 3)
             return await asyncio.wait_for(task, 60)
 
     gen = run(go(), timeout=180)

@@ -3,7 +3,8 @@ transformers reference, prompts, and the parity check.
 
 In: the tiny Qwen3-MoE checkpoint. Out: `vllm_stack(model, logs)` (a context manager yielding
 {"sm", "router", "ctl", "model"}; the `stack` and `hf` fixtures in conftest.py), `MARKS`,
-`run`, `prompts`, `rollout`, `check_against_hf`.
+`run`, `prompts`, `rollout`, `check_against_hf`, `send_update` (one expert-grouped bucket, then
+the rest, through a transport).
 """
 
 import asyncio
@@ -72,3 +73,12 @@ def check_against_hf(hf, gens, check_routes=True):
                 np.testing.assert_array_equal(s.routed_experts, ref_routes[:rows])
                 n_tokens += rows
     return worst, n_tokens
+
+
+def send_update(transport, tensors, version):
+    experts = [(k, v) for k, v in tensors.items() if ".experts." in k]
+    rest = [(k, v) for k, v in tensors.items() if ".experts." not in k]
+    with transport.update(version) as send:
+        send(experts)  # one expert-grouped bucket
+        send(rest)
+    return transport.last_report
