@@ -31,8 +31,9 @@ class Controller:
         log0(f"dataset {d.train_path}: {counts}")
         self.sampler = PromptSampler(len(self.items), cfg.rollout.prompts_per_step, cfg.train.seed, d.shuffle)
         hf = bridge.hf_config
+        # the expert count from megatron's config: HF names it per family (num_experts, n_routed_experts)
         self.engines = RolloutEngines(cfg, bridge.moe_layers, hf.num_hidden_layers,
-                                      getattr(hf, "num_experts", 0) or 0)
+                                      bridge.config.num_moe_experts or 0)
         self.cfg = cfg
 
     def rollout(self, step: int):
