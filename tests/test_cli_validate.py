@@ -137,3 +137,18 @@ def test_external_engine_urls_must_be_well_formed_and_reachable(tiny_qwen3_moe, 
     assert cli.main(["validate", *base, f"rollout.external_urls=[{dead}]"]) == 2
     err, lines = _problems(capsys)
     assert len(lines) == 1 and dead in lines[0], err  # alone, the problem is one line
+
+
+def test_nemotron3_nano_recipe_validates_on_its_shapes(tmp_path, capsys):
+    """The 8-GPU Nano 30B-A3B recipe against a config-only checkpoint of the real shapes:
+    EP=8 divides the 128 experts, the bridge maps the config (nothing refused)."""
+    from bridges.nemotron_h import unsupported
+    from skyrl_mega.models.tiny import FAMILIES, SIZES, make_tiny
+
+    assert unsupported(FAMILIES["nemotron3"].make_config(**SIZES[("nemotron3", "30b_a3b")])) == []
+    model = make_tiny("nemotron3", str(tmp_path / "nano"), size="30b_a3b", weights=False, dtype="bfloat16")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi", "answer": "1"}\n')
+    assert cli.main(["validate", "--recipe", "nemotron3/nano_30b_a3b", f"model.path={model}",
+                     f"data.train_path={prompts}"]) == 0
+    assert "config OK for world size 8" in capsys.readouterr().out

@@ -49,16 +49,17 @@ def test_cli_make_tiny_and_unknown_family(tmp_path):
         make_tiny("llama", str(tmp_path / "x"))
 
 
-@pytest.mark.parametrize("size, low, high", [("1b", 0.85e9, 1.15e9), ("2b", 2.2e9, 2.7e9),
-                                              ("8b", 9.5e9, 10.3e9)])
-def test_large_sizes_have_the_parameter_counts_they_claim(size, low, high):
+@pytest.mark.parametrize("family, size, low, high", [
+    ("qwen3_moe", "1b", 0.85e9, 1.15e9), ("qwen3_moe", "2b", 2.2e9, 2.7e9), ("qwen3_moe", "8b", 9.5e9, 10.3e9),
+    ("nemotron3", "30b_a3b", 31.5e9, 31.7e9)])  # the nano recipe's arithmetic: 31.6 B
+def test_large_sizes_have_the_parameter_counts_they_claim(family, size, low, high):
     """The GPU runs' shapes, counted on the meta device (nothing allocated)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from skyrl_mega.models.tiny import FAMILIES, SIZES
 
-    cfg = FAMILIES["qwen3_moe"].make_config(**SIZES[("qwen3_moe", size)])
+    cfg = FAMILIES[family].make_config(**SIZES[(family, size)])
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     assert low <= n <= high

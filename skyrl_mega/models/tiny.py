@@ -68,6 +68,7 @@ def _nemotron3_config(**overrides):
 # Larger Qwen3-MoE shapes (same 512-token vocabulary, so the digits task still fits):
 # "1b" ~0.94B parameters (1.8 GiB bf16) for the colocated RL run; "2b" ~2.45B (4.6 GiB bf16),
 # the weight-sync benchmark's "MoE of at least 4 GiB".
+_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 SIZES = {
     ("qwen3_moe", "tiny"): {},
     ("qwen3_moe", "1b"): dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=768,
@@ -83,6 +84,14 @@ SIZES = {
                               num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
                               head_dim=128, num_experts=64, num_experts_per_tok=8, mlp_only_layers=[],
                               max_position_embeddings=4096, initializer_range=0.02),
+    # Nemotron 3 Nano 30B-A3B's shapes (31.6B parameters; --config-only for recipe checks and
+    # GPU runs with random weights)
+    ("nemotron3", "30b_a3b"): dict(
+        vocab_size=131072, hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        intermediate_size=1856, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, n_groups=8, mamba_num_heads=64, mamba_head_dim=64,
+        ssm_state_size=128, max_position_embeddings=262144, initializer_range=0.02,
+        layers_block_type=[{"M": "mamba", "E": "moe", "*": "attention"}[c] for c in _NANO_PATTERN]),
 }
 
 
