@@ -21,6 +21,8 @@ _REGISTRY: dict[str, str] = {
     # model_type -> "module:Class"
     "qwen3_moe": "bridges.qwen3_moe:Qwen3MoeBridge",
     "nemotron_h": "bridges.nemotron_h:NemotronHBridge",
+    "qwen3_5_moe_text": "bridges.qwen3_5_moe:Qwen3_5MoeBridge",
+    "qwen3_5_moe": "bridges.qwen3_5_moe:Qwen3_5MoeBridge",
 }
 
 

@@ -26,6 +26,8 @@ from mbridge.core.llm_bridge import LLMBridge
 
 from skyrl_mega.compat.mbridge import LocalSpecMixin
 
+from .tp_parts import merge_parts, split_parts
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")
 HF = "backbone.layers.{n}."
@@ -210,17 +212,14 @@ class NemotronHBridge(LocalSpecMixin, LLMBridge):
         parts = self._mixer_parts(name)
         if parts is None or tp_split_size == 1:
             return super()._weight_split_across_tp(name, weights, param, tp_split_size)
-        pieces = [p.chunk(tp_split_size) for p in weights.split(parts)]
-        return [torch.cat([piece[r] for piece in pieces]) for r in range(tp_split_size)]
+        return split_parts(weights, parts, tp_split_size)
 
     def _weight_merge_across_tp(self, name, weights, param):
         if self.mpu.tp_size == 1:
             return super()._weight_merge_across_tp(name, weights, param)
         parts = self._mixer_parts(name)
         if parts is not None:
-            local = [s // self.mpu.tp_size for s in parts]
-            per_rank = [w.split(local) for w in weights]
-            return torch.cat([torch.cat([r[i] for r in per_rank]) for i in range(len(parts))])
+            return merge_parts(weights, parts)
         if name.endswith(_MIXER_VECTORS):
             return torch.cat(weights)
         return super()._weight_merge_across_tp(name, weights, param)

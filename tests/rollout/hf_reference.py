@@ -10,9 +10,12 @@ import torch
 
 
 class HFReference:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, weights_dtype: torch.dtype = torch.float32):
+        """weights_dtype: the weights rounded to it (as an engine serving that dtype holds them);
+        the reference computes in float32 either way."""
         from transformers import AutoConfig
 
+        self.weights_dtype = weights_dtype
         self.config = AutoConfig.from_pretrained(model_dir)
         self.top_k = self.config.num_experts_per_tok
         self.load(model_dir)
@@ -20,7 +23,7 @@ class HFReference:
     def load(self, model_dir: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.weights_dtype).float().eval()
         self.gates = {i: g for i, g in enumerate(map(_moe_gate, self._layers())) if g is not None}
         self.moe_layers = sorted(self.gates)
 

@@ -35,8 +35,8 @@ def run(coro, timeout=120):
 
 
 @contextlib.contextmanager
-def vllm_stack(model, logs):
-    cfg = ServerConfig(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0)
+def vllm_stack(model, logs, dtype="float32"):
+    cfg = ServerConfig(model=model, dtype=dtype, max_model_len=MAX_MODEL_LEN, seed=0)
     sm = ServerManager(cfg, num_servers=1, log_dir=logs, startup_timeout_s=240, watch_interval_s=0.5)
     sm.start()
     try:

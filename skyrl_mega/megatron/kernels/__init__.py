@@ -12,6 +12,12 @@ skyrl_mega/compat/mamba_ssm.py where those packages are absent, so megatron's ow
 Tested against float64 step-by-step references and transformers' torch path
 (tests/test_kernels_mamba.py).
 
-Not built yet (Qwen3.5-MoE): gated_delta_rule (fla's chunk_gated_delta_rule /
-fused_recurrent_gated_delta_rule) and l2norm.
+Built (Qwen3.5-MoE / Gated DeltaNet), served under fla's module names (fla.modules.l2norm,
+fla.ops.gated_delta_rule) by skyrl_mega/compat/fla.py where flash-linear-attention is absent, so
+megatron's own GatedDeltaNet runs:
+  gated_delta_rule.py  chunk_gated_delta_rule (chunked), fused_recurrent_gated_delta_rule (token by
+                       token), l2norm; fla 0.5.2's API: GVA, packed sequences (cu_seqlens), initial /
+                       final states
+Tested against a float64 step-by-step reference and transformers' torch path
+(tests/test_kernels_gdn.py).
 """

@@ -12,9 +12,10 @@ Choices:
          SDPA core attention (local.py)
   fast   fused kernels without TE (the entry points in skyrl_mega/megatron/kernels/): not built
          yet, so choosing it is a ConfigError (never a silent fallback)
-The hybrid families' stack (Mamba2 layers) has its own local spec, hybrid_local.py, built by
-megatron/hybrid_model.py; no TE spec for it is wired yet, so for them `auto` is local and `te`
-is a ConfigError.
+The hybrid families have their own local specs: Nemotron 3's Mamba2 stack (hybrid_local.py,
+built by megatron/hybrid_model.py) and Qwen3.5-MoE's Gated DeltaNet decoder on GPTModel
+(gdn_local.py); no TE spec for either is wired yet, so for them `auto` is local and `te` is a
+ConfigError.
 Both built specs take `routing_replay=True`, which puts skyrl's R3 router in every MoE layer's
 router slot (common.R3TopKRouter).
 """
@@ -28,9 +29,9 @@ NOT_BUILT = {"fast": "the fast layer spec (fused non-TE kernels, skyrl_mega/mega
 # what the local spec needs in megatron's config: no grouped GEMM, megatron's own attention
 LOCAL_CONFIG = dict(moe_grouped_gemm=False, attention_backend="local")
 # model family (HF model_type) -> the block builder kind its layers use
-FAMILIES = {"qwen3_moe": "gpt", "nemotron_h": "hybrid"}
+FAMILIES = {"qwen3_moe": "gpt", "nemotron_h": "hybrid", "qwen3_5_moe_text": "gdn", "qwen3_5_moe": "gdn"}
 # the spec choices each kind has built
-BUILT = {"gpt": ("te", "local"), "hybrid": ("local",)}
+BUILT = {"gpt": ("te", "local"), "hybrid": ("local",), "gdn": ("local",)}
 
 
 def te_available() -> bool:
@@ -72,10 +73,12 @@ def resolve_spec(choice: str = "auto", family: str | None = None) -> str:
 def layer_spec(config, family: str, spec: str = "auto", *, vp_stage: int | None = None,
                routing_replay: bool = False):
     """The decoder block spec of `family` for megatron `config`, built by the `spec` choice."""
-    kind = resolve_spec(spec)
+    kind = resolve_spec(spec, family)
     if family not in FAMILIES:
         raise ConfigError(f"no layer spec for model family {family!r}; families: {sorted(FAMILIES)}")
-    if kind == "te":
+    if FAMILIES[family] == "gdn":
+        from .gdn_local import decoder_block_spec
+    elif kind == "te":
         from .te import decoder_block_spec
     else:
         from .local import decoder_block_spec
