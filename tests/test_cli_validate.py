@@ -152,3 +152,18 @@ def test_nemotron3_nano_recipe_validates_on_its_shapes(tmp_path, capsys):
     assert cli.main(["validate", "--recipe", "nemotron3/nano_30b_a3b", f"model.path={model}",
                      f"data.train_path={prompts}"]) == 0
     assert "config OK for world size 8" in capsys.readouterr().out
+
+
+def test_qwen3_5_35b_a3b_recipe_validates_on_its_shapes(tmp_path, capsys):
+    """The 8-GPU Qwen3.5-35B-A3B recipe against a config-only checkpoint of the real shapes:
+    EP=8 divides the 256 experts, the bridge maps the config (nothing refused)."""
+    from bridges.qwen3_5_moe import unsupported
+    from skyrl_mega.models.tiny import FAMILIES, SIZES, make_tiny
+
+    assert unsupported(FAMILIES["qwen3_5_moe"].make_config(**SIZES[("qwen3_5_moe", "35b_a3b")])) == []
+    model = make_tiny("qwen3_5_moe", str(tmp_path / "q35"), size="35b_a3b", weights=False, dtype="bfloat16")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi", "answer": "1"}\n')
+    assert cli.main(["validate", "--recipe", "qwen3_5_moe/35b_a3b", f"model.path={model}",
+                     f"data.train_path={prompts}"]) == 0
+    assert "config OK for world size 8" in capsys.readouterr().out

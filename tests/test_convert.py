@@ -30,14 +30,23 @@ def nemotron_mcore(tiny_nemotron3, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron3"])
-def test_round_trip_across_layouts(family, request, tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_5_mcore(tiny_qwen3_5_moe, tmp_path_factory):
+    """Saved at TP=2 (GDN in_proj / conv1d split part by part, megatron's dist-ckpt factories)."""
+    out = str(tmp_path_factory.mktemp("convert_qwen3_5") / "mcore")
+    assert cli.main(["convert", "hf-to-mcore", tiny_qwen3_5_moe, out, "--nproc", "2", "parallel.tp=2"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("family, back_layout", [("qwen3_moe", "parallel.tp=2"), ("nemotron3", "parallel.tp=2"),
+                                                 ("qwen3_5_moe", "parallel.pp=2")])
+def test_round_trip_across_layouts(family, back_layout, request, tmp_path):
     hf = request.getfixturevalue(f"tiny_{family}")
-    mcore = request.getfixturevalue({"qwen3_moe": "mcore", "nemotron3": "nemotron_mcore"}[family])
+    mcore = request.getfixturevalue({"qwen3_moe": "mcore", "nemotron3": "nemotron_mcore",
+                                     "qwen3_5_moe": "qwen3_5_mcore"}[family])
     back = str(tmp_path / "hf")
     assert os.path.exists(os.path.join(mcore, "metadata.json"))
-    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", hf, "--nproc", "2",
-                     "parallel.tp=2"]) == 0
+    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", hf, "--nproc", "2", back_layout]) == 0
     original = load_file(os.path.join(hf, "model.safetensors"))
     converted = {}
     for f in glob.glob(os.path.join(back, "*.safetensors")):

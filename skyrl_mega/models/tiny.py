@@ -97,6 +97,13 @@ SIZES = {
         moe_shared_expert_intermediate_size=3712, n_groups=8, mamba_num_heads=64, mamba_head_dim=64,
         ssm_state_size=128, max_position_embeddings=262144, initializer_range=0.02,
         layers_block_type=[{"M": "mamba", "E": "moe", "*": "attention"}[c] for c in _NANO_PATTERN]),
+    # Qwen3.5-35B-A3B's shapes (34.7B parameters; --config-only for recipe checks and GPU runs)
+    ("qwen3_5_moe", "35b_a3b"): dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, max_position_embeddings=262144, initializer_range=0.02,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)]),
 }
 
 
