@@ -24,6 +24,7 @@ import re
 import torch
 from mbridge.core.llm_bridge import LLMBridge
 
+from skyrl_mega.compat.mamba_ssm import fused_conv_scan_available
 from skyrl_mega.compat.mbridge import LocalSpecMixin
 
 from .tp_parts import merge_parts, split_parts
@@ -157,6 +158,7 @@ class NemotronHBridge(LocalSpecMixin, LLMBridge):
             mamba_head_dim=hf.mamba_head_dim,
             mamba_num_groups=hf.n_groups,
             mamba_num_heads=hf.mamba_num_heads,
+            use_mamba_mem_eff_path=fused_conv_scan_available(),  # False: mamba-ssm Triton + conv stand-in
             **moe,
         )
 

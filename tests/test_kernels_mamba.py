@@ -169,3 +169,28 @@ def test_megatron_mamba_mixer_on_the_standins_equals_transformers(tp, tmp_path):
     assert res["max_abs"] < 1e-5 * res["scale"], res
     assert res["grad_max_abs"] < 1e-5 * res["grad_scale"], res
     assert res["packed_vs_alone_max_abs"] < 1e-5, res
+
+
+def test_triton_only_mamba_ssm_loads_without_its_init(tmp_path):
+    """A mamba_ssm source tree whose __init__ needs the uncompiled CUDA extension: registered
+    without its __init__, its kernel modules load from the files (a stand-in tree here, with the
+    real package's failing __init__ and a kernel module), causal_conv1d is the stand-in, and the
+    fused conv + scan path is reported unavailable."""
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "mamba_ssm"
+    (pkg / "ops" / "triton").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import selective_scan_cuda\n")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "triton" / "__init__.py").write_text("")
+    (pkg / "ops" / "triton" / "ssd_combined.py").write_text(
+        "def mamba_chunk_scan_combined(*a, **k): return 'file'\nmamba_split_conv1d_scan_combined = None\n")
+    code = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
+            "from skyrl_mega.compat import mamba_ssm as m, applied\n"
+            "m.apply_mamba_kernel_standins()\n"
+            "import mamba_ssm.ops.triton.ssd_combined as s, causal_conv1d\n"
+            "print(s.mamba_chunk_scan_combined(), getattr(causal_conv1d, '__skyrl_standin__', False),"
+            " m.fused_conv_scan_available(), 'mamba_ssm.triton_only' in applied())\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["file", "True", "False", "True"]

@@ -8,6 +8,11 @@ Out: importable `mamba_ssm.ops.triton.{ssd_combined, layernorm_gated, selective_
      splits, packed sequences and dist-ckpt layout) runs on CPU. Nothing is replaced where the
      real package imports: a GPU machine with mamba-ssm built keeps its kernels.
 
+Triton only (`triton_only`): mamba-ssm installed from source without its CUDA extension (its
+Triton kernels need no build) imports only without its package __init__; it is registered so,
+and causal_conv1d is served by the stand-in; megatron's mixer then takes its unfused path
+(`fused_conv_scan_available()` is False: the bridge turns use_mamba_mem_eff_path off).
+
 Why a module stand-in and not a subclass: megatron's mamba_mixer.py binds the kernel names at
 import (`from mamba_ssm.ops.triton.ssd_combined import ...`), raises in MambaMixer.__init__
 when they were absent and builds its norm from mamba_ssm's RMSNorm class; read in megatron-core
@@ -31,6 +36,13 @@ SHIMS = (
          "without them; stand-in modules serve the project's PyTorch kernels under those names",
          "tests/test_kernels_mamba.py::test_megatron_mamba_mixer_on_the_standins_equals_transformers",
          "mamba_ssm and causal_conv1d are not importable, megatron.core.ssm.mamba_mixer not yet imported"),
+    Shim("mamba_ssm", "triton_only", "mamba-ssm", ">=2.2,<2.4", "2.3.2.post1 (source): mamba_ssm/__init__.py "
+         "imports ops/selective_scan_interface.py, which imports the CUDA extension selective_scan_cuda",
+         "a mamba-ssm source tree without its compiled CUDA extension cannot be imported at all, though "
+         "the Triton kernels megatron uses (ops/triton/) need no compilation: the package is registered "
+         "without running its __init__, so those modules load from the installed files",
+         "tests/test_kernels_mamba.py::test_triton_only_mamba_ssm_loads_without_its_init",
+         "mamba_ssm is installed, its __init__ fails for want of selective_scan_cuda"),
 )
 API_VERSIONS = {"mamba_ssm": "2.2.6.post3+skyrl.cpu", "causal_conv1d": "1.5.3.post1+skyrl.cpu"}
 _MIXER = "megatron.core.ssm.mamba_mixer"
@@ -56,10 +68,41 @@ def _module(name: str, **attrs) -> types.ModuleType:
     return m
 
 
+def _register_triton_only_mamba_ssm() -> bool:
+    """Where mamba_ssm is installed but its __init__ cannot import (no compiled selective_scan_cuda),
+    registers the package without running its __init__: `mamba_ssm.ops.triton.*` then load from
+    the installed files. True when registered (or already importable as a whole)."""
+    if "mamba_ssm" in sys.modules:
+        return True
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    if importlib.util.find_spec("selective_scan_cuda") is not None:
+        return True  # the whole package imports
+    pkg = types.ModuleType("mamba_ssm")
+    pkg.__spec__ = importlib.machinery.ModuleSpec("mamba_ssm", loader=None, is_package=True)
+    pkg.__path__ = list(spec.submodule_search_locations)
+    pkg.__file__ = spec.origin
+    sys.modules["mamba_ssm"] = pkg
+    import mamba_ssm.ops.triton.ssd_combined  # noqa: F401  (fails here, not inside megatron, if broken)
+
+    mark_applied(SHIMS[1])
+    return True
+
+
+def fused_conv_scan_available() -> bool:
+    """Whether mamba_split_conv1d_scan_combined (megatron's memory-efficient Mamba path) can run:
+    both kernels real, or both stand-ins. mamba-ssm's Triton scan with the conv stand-in cannot
+    (its fused path calls causal_conv1d's CUDA functions): the mixer then takes the unfused path."""
+    return _real("mamba_ssm") == _real("causal_conv1d")
+
+
 def apply_mamba_kernel_standins() -> bool:
     """Registers the stand-ins where the real packages are absent; True when they are in use.
     Raises RuntimeError when megatron's mixer was already imported without kernels (too late)."""
     shim = SHIMS[0]
+    if _real("mamba_ssm"):
+        _register_triton_only_mamba_ssm()
     if _real("mamba_ssm") and _real("causal_conv1d"):
         return False
     if not shim.needed_here():
