@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import re
 
-import torch
 from mbridge.core.llm_bridge import LLMBridge
 
 from skyrl_mega.compat.mamba_ssm import fused_conv_scan_available
 from skyrl_mega.compat.mbridge import LocalSpecMixin
 
-from .tp_parts import merge_parts, split_parts
+from .tp_parts import FusedPartsTP
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$")
@@ -105,7 +104,8 @@ def unsupported(hf) -> list[str]:
     return problems
 
 
-class NemotronHBridge(LocalSpecMixin, LLMBridge):
+class NemotronHBridge(LocalSpecMixin, FusedPartsTP, LLMBridge):
+    TP_VECTORS = _MIXER_VECTORS
     _CONFIG_MAPPING = {
         "num_layers": "num_hidden_layers",
         "hidden_size": "hidden_size",
@@ -200,7 +200,7 @@ class NemotronHBridge(LocalSpecMixin, LLMBridge):
         raise NotImplementedError(f"NemotronH bridge: no HF name for megatron parameter {name}")
 
     # ---------------------------------------------------------------- TP layout of the mixer
-    def _mixer_parts(self, name: str) -> list[int] | None:
+    def _tp_parts(self, name: str) -> list[int] | None:
         """Global sizes of the parts of in_proj ([z, x, B, C, dt]) or conv1d ([x, B, C])."""
         c = self.config
         d_inner, bc = c.mamba_num_heads * c.mamba_head_dim, c.mamba_num_groups * c.mamba_state_dim
@@ -209,19 +209,3 @@ class NemotronHBridge(LocalSpecMixin, LLMBridge):
         if "mixer.conv1d" in name:
             return [d_inner, bc, bc]
         return None
-
-    def _weight_split_across_tp(self, name, weights, param, tp_split_size):
-        parts = self._mixer_parts(name)
-        if parts is None or tp_split_size == 1:
-            return super()._weight_split_across_tp(name, weights, param, tp_split_size)
-        return split_parts(weights, parts, tp_split_size)
-
-    def _weight_merge_across_tp(self, name, weights, param):
-        if self.mpu.tp_size == 1:
-            return super()._weight_merge_across_tp(name, weights, param)
-        parts = self._mixer_parts(name)
-        if parts is not None:
-            return merge_parts(weights, parts)
-        if name.endswith(_MIXER_VECTORS):
-            return torch.cat(weights)
-        return super()._weight_merge_across_tp(name, weights, param)

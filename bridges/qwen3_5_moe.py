@@ -31,7 +31,7 @@ from mbridge.core.llm_bridge import LLMBridge
 
 from skyrl_mega.compat.mbridge import LocalSpecMixin
 
-from .tp_parts import merge_parts, split_parts
+from .tp_parts import FusedPartsTP
 from skyrl_mega.compat.transformers import fix_hf_config
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -87,7 +87,8 @@ def unsupported(hf) -> list[str]:
     return problems
 
 
-class Qwen3_5MoeBridge(LocalSpecMixin, LLMBridge):
+class Qwen3_5MoeBridge(LocalSpecMixin, FusedPartsTP, LLMBridge):
+    TP_VECTORS = _GDN_VECTORS
     _CONFIG_MAPPING = {
         "num_layers": "num_hidden_layers",
         "hidden_size": "hidden_size",
@@ -167,7 +168,7 @@ class Qwen3_5MoeBridge(LocalSpecMixin, LLMBridge):
         groups, heads, d = hf.num_key_value_heads, hf.num_attention_heads, hf.head_dim
         return groups, heads // groups, d
 
-    def _gdn_parts(self, name: str) -> list[int] | None:
+    def _tp_parts(self, name: str) -> list[int] | None:
         """Global sizes of the parts of in_proj ([q, k, v, z, beta, alpha]) or conv1d ([q, k, v])."""
         hf = self.hf_config
         qk, v = hf.linear_key_head_dim * hf.linear_num_key_heads, hf.linear_value_head_dim * hf.linear_num_value_heads
@@ -192,7 +193,7 @@ class Qwen3_5MoeBridge(LocalSpecMixin, LLMBridge):
     def _weight_to_hf_format(self, name, weight):
         hf_names = self._weight_name_mapping_mcore_to_hf(name)
         if name.endswith("self_attention.in_proj.weight"):
-            qk, _, v, _, heads, _ = self._gdn_parts(name)
+            qk, _, v, _, heads, _ = self._tp_parts(name)
             return hf_names, list(weight.split([2 * qk + v, v, heads, heads]))
         if name.endswith("self_attention.linear_qkv.weight"):
             groups, per_group, d = self._qkv_sizes()
@@ -202,19 +203,3 @@ class Qwen3_5MoeBridge(LocalSpecMixin, LLMBridge):
             q_gate = torch.stack([q, gate], 2).reshape(-1, hidden)
             return hf_names, [q_gate, w[:, -2].reshape(-1, hidden), w[:, -1].reshape(-1, hidden)]
         return super()._weight_to_hf_format(name, weight)
-
-    def _weight_split_across_tp(self, name, weights, param, tp_split_size):
-        parts = self._gdn_parts(name)
-        if parts is None or tp_split_size == 1:
-            return super()._weight_split_across_tp(name, weights, param, tp_split_size)
-        return split_parts(weights, parts, tp_split_size)
-
-    def _weight_merge_across_tp(self, name, weights, param):
-        if self.mpu.tp_size == 1:
-            return super()._weight_merge_across_tp(name, weights, param)
-        parts = self._gdn_parts(name)
-        if parts is not None:
-            return merge_parts(weights, parts)
-        if name.endswith(_GDN_VECTORS):
-            return torch.cat(weights)
-        return super()._weight_merge_across_tp(name, weights, param)
