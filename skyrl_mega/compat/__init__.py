@@ -70,6 +70,10 @@ mamba_ssm.py (mamba-ssm / causal-conv1d absent; read megatron-core 0.16.1, 0.19.
                     raises without them: stand-in modules of those names serve the project's
                     PyTorch kernels (megatron/kernels/)                       >=0.16.1,<0.20
   test: tests/test_kernels_mamba.py::test_megatron_mamba_mixer_on_the_standins_equals_transformers
+  triton_only       mamba-ssm from source without its CUDA extension: the package registered
+                    without its __init__ so megatron loads its Triton kernels; causal_conv1d
+                    then the stand-in, the mixer on its unfused path       mamba-ssm >=2.2,<2.4
+  test: tests/test_kernels_mamba.py::test_triton_only_mamba_ssm_loads_without_its_init
 
 fla.py (flash-linear-attention absent; read megatron-core 0.16.1, 0.17.1, 0.18.2, 0.19.0),
 `apply_fla_kernel_standins()` before megatron's GatedDeltaNet is imported, where fla does not import:
