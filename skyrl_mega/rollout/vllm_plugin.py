@@ -35,7 +35,8 @@ import logging
 import os
 import time
 
-from ..compat.vllm import apply_cpu_moe_reload_fix, apply_cpu_nongated_moe, apply_qwen3_5_import_fix, set_enabled
+from ..compat.vllm import (apply_cpu_fp32_conv, apply_cpu_moe_reload_fix, apply_cpu_nongated_moe,
+                           apply_qwen3_5_import_fix, set_enabled)
 
 logger = logging.getLogger("vllm.skyrl_plugin")  # runs inside vLLM: through its log handlers
 
@@ -52,6 +53,10 @@ def register() -> None:
         apply_cpu_nongated_moe()
     except Exception as e:  # a model with non-gated experts then fails at start with vLLM's error
         logger.warning("skyrl_mega plugin: CPU non-gated MoE experts not installed: %r", e)
+    try:
+        apply_cpu_fp32_conv()
+    except Exception as e:  # an fp32 Mamba model then fails at load on AVX512-BF16 CPUs
+        logger.warning("skyrl_mega plugin: fp32 conv fix not installed: %r", e)
     try:
         apply_qwen3_5_import_fix()
     except Exception as e:  # Qwen3.5 then fails at start with vLLM's import error
