@@ -139,31 +139,22 @@ def test_external_engine_urls_must_be_well_formed_and_reachable(tiny_qwen3_moe, 
     assert len(lines) == 1 and dead in lines[0], err  # alone, the problem is one line
 
 
-def test_nemotron3_nano_recipe_validates_on_its_shapes(tmp_path, capsys):
-    """The 8-GPU Nano 30B-A3B recipe against a config-only checkpoint of the real shapes:
-    EP=8 divides the 128 experts, the bridge maps the config (nothing refused)."""
-    from bridges.nemotron_h import unsupported
+@pytest.mark.parametrize("family, size, bridge, recipe", [
+    ("nemotron3", "30b_a3b", "nemotron_h", "nemotron3/nano_30b_a3b"),  # EP=8 divides 128 experts
+    ("qwen3_5_moe", "35b_a3b", "qwen3_5_moe", "qwen3_5_moe/35b_a3b"),  # EP=8 divides 256 experts
+])
+def test_large_recipe_validates_on_its_shapes(family, size, bridge, recipe, tmp_path, capsys):
+    """An 8-GPU recipe against a config-only checkpoint of the real model's shapes: its
+    parallelism fits the model and the bridge maps the config (nothing refused)."""
+    import importlib
+
     from skyrl_mega.models.tiny import FAMILIES, SIZES, make_tiny
 
-    assert unsupported(FAMILIES["nemotron3"].make_config(**SIZES[("nemotron3", "30b_a3b")])) == []
-    model = make_tiny("nemotron3", str(tmp_path / "nano"), size="30b_a3b", weights=False, dtype="bfloat16")
+    unsupported = importlib.import_module(f"bridges.{bridge}").unsupported
+    assert unsupported(FAMILIES[family].make_config(**SIZES[(family, size)])) == []
+    model = make_tiny(family, str(tmp_path / size), size=size, weights=False, dtype="bfloat16")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi", "answer": "1"}\n')
-    assert cli.main(["validate", "--recipe", "nemotron3/nano_30b_a3b", f"model.path={model}",
-                     f"data.train_path={prompts}"]) == 0
-    assert "config OK for world size 8" in capsys.readouterr().out
-
-
-def test_qwen3_5_35b_a3b_recipe_validates_on_its_shapes(tmp_path, capsys):
-    """The 8-GPU Qwen3.5-35B-A3B recipe against a config-only checkpoint of the real shapes:
-    EP=8 divides the 256 experts, the bridge maps the config (nothing refused)."""
-    from bridges.qwen3_5_moe import unsupported
-    from skyrl_mega.models.tiny import FAMILIES, SIZES, make_tiny
-
-    assert unsupported(FAMILIES["qwen3_5_moe"].make_config(**SIZES[("qwen3_5_moe", "35b_a3b")])) == []
-    model = make_tiny("qwen3_5_moe", str(tmp_path / "q35"), size="35b_a3b", weights=False, dtype="bfloat16")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "hi", "answer": "1"}\n')
-    assert cli.main(["validate", "--recipe", "qwen3_5_moe/35b_a3b", f"model.path={model}",
+    assert cli.main(["validate", "--recipe", recipe, f"model.path={model}",
                      f"data.train_path={prompts}"]) == 0
     assert "config OK for world size 8" in capsys.readouterr().out
