@@ -3,7 +3,8 @@
     python bench/gpu_colocated_rl.py --recipe qwen3_moe/tiny_gpu --out runs/bench_rl_tiny [overrides...]
     python bench/gpu_colocated_rl.py --recipe qwen3_moe/1b_gpu --make 1b --out runs/bench_rl_1b
 
---make SIZE first writes the recipe's model (make-tiny, bf16, initialised on the GPU) when missing.
+--make SIZE first writes the recipe's model (make-tiny of the recipe's family, bf16, initialised on
+the GPU) when missing; `--make tiny` for the tiny_gpu recipes.
 Out: OUT/summary.json and a markdown table on stdout: reward first 5 -> last 5 steps (and the
 ratio), R3 coverage (min over steps), rollout-vs-train logprob difference (mean and max over
 steps), per-phase seconds (rollout, train, sync, engine sleep / wake of weights / wake of KV cache;
@@ -67,7 +68,8 @@ def main() -> int:
     cfg = load_config(a.recipe, [f"output_dir={a.out}", *overrides])
     if a.make and not os.path.exists(os.path.join(cfg.model.path, "config.json")):
         t = time.perf_counter()
-        subprocess.run(py + ["make-tiny", "qwen3_moe", cfg.model.path, "--size", a.make, "--dtype", "bfloat16",
+        family = a.recipe.split("/")[0]
+        subprocess.run(py + ["make-tiny", family, cfg.model.path, "--size", a.make, "--dtype", "bfloat16",
                              "--device", "cuda"], check=True, cwd=REPO)
         print(f"[bench] made {a.make} model in {time.perf_counter() - t:.1f}s", flush=True)
     t = time.perf_counter()

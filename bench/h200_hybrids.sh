@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The hybrid families' GPU kernel checks (issues 14, 15) on one lent H200 (Python 3.12, torch 2.11):
-#   here:  make-tiny both families into .device/, and their stand-in logits on CPU:
+#   here:  make-tiny both families into .device/ (qwen3_5_moe also --multimodal into .device/tiny_qwen3_5_moe_vl),
+#          and their stand-in logits on CPU:
 #          python bench/hybrid_kernels.py --model .device/tiny_F --save-logits .device/standin_F.safetensors
-#   there (carry .pw .pr .device): bench/h200_hybrids.sh install, then bench/h200_hybrids.sh kernels
+#   there (carry .pw .pr .device): bench/h200_hybrids.sh install, then bench/h200_hybrids.sh kernels;
+#   with the vLLM kit installed in /root/vsite (../shared/gpu-vllm): bench/h200_hybrids.sh rl
+#   (each family's recipes/<family>/tiny_gpu.yaml, colocated RL against vLLM GPU with R3, all at once)
 # .pw: megatron-core 0.19.2 (cp312), mbridge, hydra-core, omegaconf, antlr4 (sdist), fla-core and
 # flash-linear-attention wheels, and kern/mamba_ssm (mamba-ssm 2.3.2.post1's source tree: its Triton
 # kernels, no CUDA build; compat/mamba_ssm.py triton_only); .pr: the project's wheel.
@@ -32,5 +35,15 @@ case "$1" in
         > "$OUT/kernels_${f}_$dt.log" 2>&1 &
     done
     wait; tail -n 3 "$OUT"/kernels_*.log ;;
-  *) echo "usage: $0 install | kernels"; exit 2 ;;
+  rl)  # [family ...]: each family's colocated tiny_gpu RL run (trainer + vLLM GPU engine), all at once
+    export PYTHONPATH=$PYTHONPATH:/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0
+    for f in ${2:-nemotron3 qwen3_5_moe}; do
+      m=.device/tiny_$f; [ -d ${m}_vl ] && m=${m}_vl  # Qwen3.5: the multimodal layout vLLM 0.26 serves
+      ( set +e; timeout ${RL_TIMEOUT:-560} python3 bench/gpu_colocated_rl.py --recipe $f/tiny_gpu --out runs/rl_$f \
+          model.path=$m train.steps=${STEPS:-30} > "$OUT/rl_$f.log" 2>&1; echo "[rl] $f exit $?" >> "$OUT/rl_$f.log"
+        cp runs/rl_$f/summary.json "$OUT/rl_${f}_summary.json"; cp runs/rl_$f/metrics.jsonl "$OUT/rl_${f}_metrics.jsonl"
+        for l in runs/rl_$f/engine_logs/*.log; do tail -c 60000 "$l" > "$OUT/rl_${f}_$(basename "$l")"; done ) &
+    done
+    wait; tail -n 45 "$OUT"/rl_*.log ;;
+  *) echo "usage: $0 install | kernels | rl"; exit 2 ;;
 esac

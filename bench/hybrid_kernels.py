@@ -42,12 +42,12 @@ def main() -> int:
     ap.add_argument("--train-tokens", type=int, default=8192)
     args = ap.parse_args()
 
-    from megatron.core.packed_seq_params import PackedSeqParams
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     from bridges import bridge_for
     from skyrl_mega import compat
+    from skyrl_mega.megatron.packing import thd_packed_seq_params
     from skyrl_mega.megatron import parallel
 
     parallel.init_layout(tp=1)
@@ -79,8 +79,7 @@ def main() -> int:
 
     row = torch.cat([ids[i, :n] for i, n in enumerate(LENGTHS)]).unsqueeze(0)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                             cu_seqlens_kv_padded=cu, max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))
+    packed = thd_packed_seq_params(cu, cu, max(LENGTHS))  # what the train step hands megatron
     ppos = torch.cat([torch.arange(n, device=dev) for n in LENGTHS]).unsqueeze(0)
     try:
         with torch.no_grad():
@@ -97,8 +96,7 @@ def main() -> int:
         lens = list(LENGTHS) * reps
         trow = row.repeat(1, reps)
         tcu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        tpk = PackedSeqParams(qkv_format="thd", cu_seqlens_q=tcu, cu_seqlens_kv=tcu, cu_seqlens_q_padded=tcu,
-                              cu_seqlens_kv_padded=tcu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+        tpk = thd_packed_seq_params(tcu, tcu, max(lens))
         tpos = ppos.repeat(1, reps)
         labels = torch.roll(trow, -1, 1)
         model.train()

@@ -23,7 +23,6 @@ import re
 
 from mbridge.core.llm_bridge import LLMBridge
 
-from skyrl_mega.compat.mamba_ssm import fused_conv_scan_available
 from skyrl_mega.compat.mbridge import LocalSpecMixin
 
 from .tp_parts import FusedPartsTP
@@ -158,7 +157,7 @@ class NemotronHBridge(LocalSpecMixin, FusedPartsTP, LLMBridge):
             mamba_head_dim=hf.mamba_head_dim,
             mamba_num_groups=hf.n_groups,
             mamba_num_heads=hf.mamba_num_heads,
-            use_mamba_mem_eff_path=fused_conv_scan_available(),  # False: mamba-ssm Triton + conv stand-in
+            use_mamba_mem_eff_path=True,  # the fused path: the only one megatron runs packed sequences on
             **moe,
         )
 

@@ -39,7 +39,7 @@ def cmd_make_tiny(args) -> int:
     from skyrl_mega.models.tiny import make_tiny
 
     make_tiny(args.family, args.out_dir, seed=args.seed, size=args.size, dtype=args.dtype, device=args.device,
-              weights=not args.config_only)
+              weights=not args.config_only, multimodal=args.multimodal)
     print(f"wrote {args.size} {args.family} checkpoint to {args.out_dir}")
     return 0
 
@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="where to initialise (cuda for the large sizes)")
     p.add_argument("--config-only", action="store_true",
                    help="config and tokenizer, no weights (for vLLM's --load-format dummy and random-init trainers)")
+    p.add_argument("--multimodal", action="store_true",
+                   help="qwen3_5_moe: Qwen3.5's released multimodal layout (text model + a tiny vision tower)")
     p.set_defaults(fn=cmd_make_tiny)
 
     p = sub.add_parser("convert", help="HF <-> Megatron dist-ckpt at any parallel layout")

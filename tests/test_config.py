@@ -18,6 +18,16 @@ def test_tiny_recipe_is_valid(tiny_qwen3_moe):
     _validate(tiny_qwen3_moe, [], 2)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron3", "qwen3_5_moe"])
+def test_every_family_has_a_valid_one_gpu_recipe(family, request):
+    """recipes/<family>/tiny_gpu.yaml: the colocated one-GPU run (bench/gpu_colocated_rl.py) validates
+    on the family's tiny model at world size 1, with R3 and CUDA IPC weight sync."""
+    model = request.getfixturevalue(f"tiny_{family}")
+    cfg = load_config(f"{family}/tiny_gpu", [f"model.path={model}"])
+    validate_config(cfg, 1)
+    assert (cfg.placement, cfg.algorithm.routing_replay, cfg.rollout.sleep_level) == ("colocated", True, 1)
+
+
 @pytest.mark.parametrize("overrides, world, needle", [
     (["parallel.tp=2", "parallel.ep=1"], 3, "world size 3 is not divisible by tp*pp*cp"),
     (["parallel.ep=3"], 3, "8 experts are not divisible by parallel.ep=3"),

@@ -127,6 +127,29 @@ def test_causal_conv1d_equals_the_sum(packed):
     assert _rel(y, conv_reference(x, weight, bias, seq)) < REL
 
 
+def test_conv1d_cpp_functions_forward_and_backward_equal_the_sum():
+    """The causal-conv1d cpp_functions stand-ins mamba-ssm's fused Triton path calls: forward on a
+    channels-last view (the layout that path hands over), backward into the given dx view, both
+    against autograd through the float64 sum over a packed batch."""
+    from skyrl_mega.megatron.kernels.conv1d import causal_conv1d_bwd_function, causal_conv1d_fwd_function
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 20, 6, generator=gen).transpose(1, 2)  # (b, d, l) with stride 1 on d
+    weight, bias = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    seq = torch.tensor([[0] * 3 + [1] * 9 + [2] * 8, [0] * 7 + [1] * 13], dtype=torch.int32)
+    dout = torch.randn(2, 6, 20, generator=gen)
+    y = causal_conv1d_fwd_function(x, weight, bias, seq, None, None, True)
+    leaves = [t.double().requires_grad_() for t in (x, weight, bias)]
+    ref = conv_reference(*leaves, seq)
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    assert _rel(y, ref) < REL
+    dx = torch.empty(2, 20, 6).transpose(1, 2)
+    got_dx, dw, db, dinit = causal_conv1d_bwd_function(x, weight, bias, dout, seq, None, None, dx, False, True)
+    assert got_dx is dx and dinit is None
+    for g, w in zip((dx, dw, db), want):
+        assert _rel(g, w) < REL
+
+
 def test_conv1d_decode_steps_continue_the_full_sequence():
     gen = torch.Generator().manual_seed(2)
     x, weight, bias = torch.randn(2, 6, 12, generator=gen), torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
@@ -174,23 +197,25 @@ def test_megatron_mamba_mixer_on_the_standins_equals_transformers(tp, tmp_path):
 def test_triton_only_mamba_ssm_loads_without_its_init(tmp_path):
     """A mamba_ssm source tree whose __init__ needs the uncompiled CUDA extension: registered
     without its __init__, its kernel modules load from the files (a stand-in tree here, with the
-    real package's failing __init__ and a kernel module), causal_conv1d is the stand-in, and the
-    fused conv + scan path is reported unavailable."""
+    real package's failing __init__ and a kernel module), its __version__ read from the __init__,
+    and causal_conv1d is the stand-in, registered first: the kernel module binds the stand-in's
+    cpp_functions at import (mamba-ssm's fused conv + scan path)."""
     import subprocess
     import sys
 
     pkg = tmp_path / "mamba_ssm"
     (pkg / "ops" / "triton").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("import selective_scan_cuda\n")
     (pkg / "ops" / "__init__.py").write_text("")
     (pkg / "ops" / "triton" / "__init__.py").write_text("")
-    (pkg / "ops" / "triton" / "ssd_combined.py").write_text(
+    (pkg / "ops" / "triton" / "ssd_combined.py").write_text(  # binds causal-conv1d's functions at import
+        "from causal_conv1d.cpp_functions import causal_conv1d_fwd_function as conv\n"
         "def mamba_chunk_scan_combined(*a, **k): return 'file'\nmamba_split_conv1d_scan_combined = None\n")
+    (pkg / "__init__.py").write_text('__version__ = "2.3.2.post1"\nimport selective_scan_cuda\n')
     code = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
             "from skyrl_mega.compat import mamba_ssm as m, applied\n"
             "m.apply_mamba_kernel_standins()\n"
-            "import mamba_ssm.ops.triton.ssd_combined as s, causal_conv1d\n"
+            "import mamba_ssm, mamba_ssm.ops.triton.ssd_combined as s, causal_conv1d\n"
             "print(s.mamba_chunk_scan_combined(), getattr(causal_conv1d, '__skyrl_standin__', False),"
-            " m.fused_conv_scan_available(), 'mamba_ssm.triton_only' in applied())\n")
+            " getattr(s.conv, '__module__', ''), mamba_ssm.__version__, 'mamba_ssm.triton_only' in applied())\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["file", "True", "False", "True"]
+    assert out.stdout.split() == ["file", "True", "skyrl_mega.megatron.kernels.conv1d", "2.3.2.post1", "True"]

@@ -175,3 +175,25 @@ def test_packed_seq_params_carry_the_sequence_index_where_megatron_reads_it():
     lay = MicroBatchLayout.build([3, 2, 4], packed=True, multiple=2)
     psp = lay.packed_seq_params()
     assert psp.seq_idx.flatten().tolist() == [0] * 4 + [1] * 2 + [2] * 4
+
+
+def test_train_step_packing_gives_megatron_0_19_mamba_layers_their_sequence_starts(monkeypatch):
+    """megatron-core 0.19's Mamba layers restart their state only where PackedSeqParams.seq_idx
+    says, and build it only from `total_tokens`; the train step's packed micro-batches must set it
+    (without it the state runs across the packed sequences). Here a 0.19-shaped PackedSeqParams."""
+    import dataclasses
+
+    import megatron.core.packed_seq_params as psp
+
+    from skyrl_mega.megatron.train_step import _kwargs_fn
+
+    @dataclasses.dataclass
+    class PackedSeqParams019(psp.PackedSeqParams):
+        total_tokens: int = None
+
+    monkeypatch.setattr(psp, "PackedSeqParams", PackedSeqParams019)
+    layout = plan_microbatches([5, 3, 7], packed=True, max_tokens=64, tp=2)[0]
+    mb = {"layout": layout, "cu_seqlens": layout.cu_seqlens(False), "cu_seqlens_padded": layout.cu_seqlens(True)}
+    params = _kwargs_fn(None)(mb)["packed_seq_params"]
+    assert params.total_tokens == int(layout.cu_seqlens(True)[-1]) == 18  # 6 + 4 + 8, padded to tp
+    assert params.qkv_format == "thd" and params.max_seqlen_q == layout.max_seqlen

@@ -7,37 +7,17 @@ import json
 import os
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from skyrl_mega.launcher import run_torchrun
+from skyrl_mega.models.tiny import qwen3_5_multimodal_layout
 
 from .conftest import REPO
-
-
-def multimodal_checkpoint(text_dir: str, out_dir: str) -> str:
-    """The tiny text checkpoint as Qwen3.5's multimodal layout: a Qwen3_5MoeConfig holding it as
-    text_config, its tensors under model.language_model.*, and a (tiny) vision tower's tensor."""
-    from transformers import AutoConfig
-    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
-
-    text = AutoConfig.from_pretrained(text_dir)
-    cfg = Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=dict(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size))
-    cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
-    os.makedirs(out_dir, exist_ok=True)
-    cfg.save_pretrained(out_dir)
-    tensors = {(k if k == "lm_head.weight" else "model.language_model." + k[len("model."):]): v
-               for k, v in load_file(os.path.join(text_dir, "model.safetensors")).items()}
-    tensors["model.visual.patch_embed.proj.weight"] = torch.ones(32, 3, 2, 16, 16)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    return out_dir
 
 
 @pytest.fixture(scope="module")
 def checks(tiny_qwen3_5_moe, tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen3_5_checks")
-    mm = multimodal_checkpoint(tiny_qwen3_5_moe, str(d / "multimodal"))
+    mm = qwen3_5_multimodal_layout(tiny_qwen3_5_moe, str(d / "multimodal"))
     run_torchrun(os.path.join(REPO, "tests/workers/qwen3_5_checks_worker.py"), 1,
                  [tiny_qwen3_5_moe, mm, str(d / "checks.json")], timeout=300, log_file=str(d / "log.txt"))
     return json.load(open(d / "checks.json"))

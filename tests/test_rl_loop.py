@@ -129,6 +129,24 @@ def test_qwen3_5_recipe_learns_with_r3(tiny_qwen3_5_moe, tmp_path):
     assert all(r["logprob_diff_mean"] < 0.02 for r in rows)  # bf16 engine vs fp32 trainer
 
 
+def test_qwen3_5_released_multimodal_layout_trains_its_text_model(tiny_qwen3_5_moe, tmp_path):
+    """Qwen3.5-MoE's released checkpoints are vision-language (text model under
+    model.language_model.*): the loop reads its text config (layer count for the routes), the
+    engine serves it text-only, R3 covers every token, the HF export keeps that layout."""
+    import json
+
+    from skyrl_mega.models.tiny import qwen3_5_multimodal_layout
+
+    model = qwen3_5_multimodal_layout(tiny_qwen3_5_moe, str(tmp_path / "vl"))
+    out = tmp_path / "qwen3_5_vl"
+    run_torchrun("skyrl_mega.trainer", 2, _args(model, out, QWEN3_5_RECIPE, **{"train.steps": 3}),
+                 timeout=600, log_file=str(tmp_path / "qwen3_5_vl.log"))
+    rows = _metrics(out)
+    assert len(rows) == 3 and all(r["r3/coverage"] == 1.0 for r in rows)
+    exported = json.load(open(out / "hf" / "final" / "config.json"))
+    assert "text_config" in exported and exported["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+
+
 def test_kill_after_checkpoint_then_resume_is_exact(short, tiny_qwen3_moe):
     root, reference = short
     out = root / "killed"

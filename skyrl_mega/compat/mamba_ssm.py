@@ -10,8 +10,9 @@ Out: importable `mamba_ssm.ops.triton.{ssd_combined, layernorm_gated, selective_
 
 Triton only (`triton_only`): mamba-ssm installed from source without its CUDA extension (its
 Triton kernels need no build) imports only without its package __init__; it is registered so,
-and causal_conv1d is served by the stand-in; megatron's mixer then takes its unfused path
-(`fused_conv_scan_available()` is False: the bridge turns use_mamba_mem_eff_path off).
+and causal_conv1d is served by the stand-in, `cpp_functions` included: mamba-ssm's fused Triton
+path (`mamba_split_conv1d_scan_combined`, megatron's memory-efficient path, the only one that
+takes packed sequences) then runs its real scan with the stand-in conv.
 
 Why a module stand-in and not a subclass: megatron's mamba_mixer.py binds the kernel names at
 import (`from mamba_ssm.ops.triton.ssd_combined import ...`), raises in MambaMixer.__init__
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import re
 import sys
 import types
 
@@ -70,8 +72,9 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 def _register_triton_only_mamba_ssm() -> bool:
     """Where mamba_ssm is installed but its __init__ cannot import (no compiled selective_scan_cuda),
-    registers the package without running its __init__: `mamba_ssm.ops.triton.*` then load from
-    the installed files. True when registered (or already importable as a whole)."""
+    registers the package without running its __init__ (its __version__ read from that file):
+    `mamba_ssm.ops.triton.*` then load from the installed files. True when registered (or
+    importable as a whole)."""
     if "mamba_ssm" in sys.modules:
         return True
     spec = importlib.util.find_spec("mamba_ssm")
@@ -83,6 +86,9 @@ def _register_triton_only_mamba_ssm() -> bool:
     pkg.__spec__ = importlib.machinery.ModuleSpec("mamba_ssm", loader=None, is_package=True)
     pkg.__path__ = list(spec.submodule_search_locations)
     pkg.__file__ = spec.origin
+    found = re.search(r"^__version__\s*=\s*[\"']([^\"']+)", open(spec.origin).read(), re.M) if spec.origin else None
+    if found:  # megatron's packed-sequence check reads it (a source tree has no dist-info)
+        pkg.__version__ = found.group(1)
     sys.modules["mamba_ssm"] = pkg
     import mamba_ssm.ops.triton.ssd_combined  # noqa: F401  (fails here, not inside megatron, if broken)
 
@@ -90,20 +96,25 @@ def _register_triton_only_mamba_ssm() -> bool:
     return True
 
 
-def fused_conv_scan_available() -> bool:
-    """Whether mamba_split_conv1d_scan_combined (megatron's memory-efficient Mamba path) can run:
-    both kernels real, or both stand-ins. mamba-ssm's Triton scan with the conv stand-in cannot
-    (its fused path calls causal_conv1d's CUDA functions): the mixer then takes the unfused path."""
-    return _real("mamba_ssm") == _real("causal_conv1d")
+def _register_conv1d_standin() -> None:
+    from ..megatron.kernels import conv1d
+
+    _module("causal_conv1d", __version__=API_VERSIONS["causal_conv1d"],
+            causal_conv1d_fn=conv1d.causal_conv1d_fn, causal_conv1d_update=conv1d.causal_conv1d_update)
+    _module("causal_conv1d.causal_conv1d_varlen", causal_conv1d_varlen_states=conv1d.causal_conv1d_varlen_states)
+    _module("causal_conv1d.cpp_functions", causal_conv1d_fwd_function=conv1d.causal_conv1d_fwd_function,
+            causal_conv1d_bwd_function=conv1d.causal_conv1d_bwd_function,
+            causal_conv1d_update_function=conv1d.causal_conv1d_update_function)
 
 
 def apply_mamba_kernel_standins() -> bool:
     """Registers the stand-ins where the real packages are absent; True when they are in use.
-    Raises RuntimeError when megatron's mixer was already imported without kernels (too late)."""
+    The conv stand-in goes in first: mamba-ssm's Triton module binds causal-conv1d's functions
+    when it is imported. Raises RuntimeError when megatron's mixer was already imported without
+    kernels (too late)."""
     shim = SHIMS[0]
-    if _real("mamba_ssm"):
-        _register_triton_only_mamba_ssm()
     if _real("mamba_ssm") and _real("causal_conv1d"):
+        _register_triton_only_mamba_ssm()
         return False
     if not shim.needed_here():
         raise RuntimeError(f"no Mamba kernels: mamba_ssm / causal_conv1d are not installed and the CPU "
@@ -114,9 +125,13 @@ def apply_mamba_kernel_standins() -> bool:
     if mixer is not None and not getattr(mixer, "HAVE_MAMBA_SSM", False):
         raise RuntimeError(f"{_MIXER} was imported before the Mamba kernel stand-ins were registered; "
                            "call skyrl_mega.compat.mamba_ssm.apply_mamba_kernel_standins() first")
-    from ..megatron.kernels import conv1d, gated_rmsnorm, ssd
+    from ..megatron.kernels import gated_rmsnorm, ssd
 
-    if not _real("mamba_ssm"):
+    if not _real("causal_conv1d"):
+        _register_conv1d_standin()
+    if _real("mamba_ssm"):
+        _register_triton_only_mamba_ssm()
+    else:
         _module("mamba_ssm", __version__=API_VERSIONS["mamba_ssm"])
         _module("mamba_ssm.ops")
         _module("mamba_ssm.ops.triton")
@@ -125,9 +140,5 @@ def apply_mamba_kernel_standins() -> bool:
         _module("mamba_ssm.ops.triton.layernorm_gated", RMSNorm=gated_rmsnorm.RMSNorm,
                 rmsnorm_fn=gated_rmsnorm.gated_rmsnorm)
         _module("mamba_ssm.ops.triton.selective_state_update", selective_state_update=ssd.selective_state_update)
-    if not _real("causal_conv1d"):
-        _module("causal_conv1d", __version__=API_VERSIONS["causal_conv1d"],
-                causal_conv1d_fn=conv1d.causal_conv1d_fn, causal_conv1d_update=conv1d.causal_conv1d_update)
-        _module("causal_conv1d.causal_conv1d_varlen", causal_conv1d_varlen_states=conv1d.causal_conv1d_varlen_states)
     mark_applied(shim)
     return True

@@ -30,7 +30,7 @@ class Controller:
                                           max_prompt_len=d.max_prompt_len)
         log0(f"dataset {d.train_path}: {counts}")
         self.sampler = PromptSampler(len(self.items), cfg.rollout.prompts_per_step, cfg.train.seed, d.shuffle)
-        hf = bridge.hf_config
+        hf = bridge.hf_config.get_text_config()  # a vision-language checkpoint: its text model's
         # the expert count from megatron's config: HF names it per family (num_experts, n_routed_experts)
         self.engines = RolloutEngines(cfg, bridge.moe_layers, hf.num_hidden_layers,
                                       bridge.config.num_moe_experts or 0)

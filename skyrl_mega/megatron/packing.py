@@ -147,19 +147,9 @@ class MicroBatchLayout:
         max_seqlen is the longest padded sequence (RoPE tables and TE kernels size by it)."""
         if not self.packed:
             return None
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         cu = self.cu_seqlens(False).to(device) if device is not None else self.cu_seqlens(False)
         cup = self.cu_seqlens(True).to(device) if device is not None else self.cu_seqlens(True)
-        extra = {}
-        if "total_tokens" in PackedSeqParams.__dataclass_fields__:
-            # megatron-core 0.19: the Mamba layers read seq_idx from here, and it is built only
-            # from total_tokens; without it their state would run across the packed sequences
-            extra["total_tokens"] = int(self.cu_seqlens(True)[-1])
-        return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup,
-            cu_seqlens_kv_padded=cup, max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen, **extra,
-        )
+        return thd_packed_seq_params(cu, cup, self.max_seqlen)
 
     # ------------------------------------------------------------------ token placement
     def flat_positions(self) -> list[Tensor]:
@@ -391,3 +381,19 @@ def shard_for_dp(lengths: Sequence[int], dp_size: int, dp_rank: int) -> list[int
         loads[j] += int(lengths[i])
         counts[j] += 1
     return [i for i in range(len(lengths)) if owner[i] == dp_rank]
+
+
+def thd_packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen: int):
+    """megatron PackedSeqParams (qkv_format='thd') for one packed row: real and padded sequence
+    starts (int32, batch + 1), the longest padded sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    extra = {}
+    if "total_tokens" in PackedSeqParams.__dataclass_fields__:
+        # megatron-core 0.19: the Mamba layers read seq_idx from here, and it is built only
+        # from total_tokens; without it their state would run across the packed sequences
+        extra["total_tokens"] = int(cu_seqlens_padded[-1])
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, **extra,
+    )

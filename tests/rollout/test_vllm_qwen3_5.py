@@ -78,3 +78,34 @@ def test_in_place_weight_update_matches_transformers(qstack, qhf, tmp_path_facto
     # at its old value, A_log and dt_bias included, fits transformers worse, so all were loaded)
     print(f"qwen3.5 bf16 after update: max {worst:.4f}, mean {mean:.5f}, routes {routes:.4f} of {rows}")
     assert rows > 0 and routes >= 0.97 and mean < MEAN_TOL
+
+
+def test_multimodal_checkpoint_serves_its_text_model(tiny_qwen3_5_moe, tmp_path_factory):
+    """Qwen3.5-MoE's released layout (text model under model.language_model.* beside a vision
+    tower), served text-only (`--language-model-only`, the layout vLLM 0.26 on GPU serves): its
+    logprobs and routes fit transformers' text model, before and after an in-place update under
+    the multimodal names (what the trainer exports for it)."""
+    from skyrl_mega.models.tiny import qwen3_5_multimodal_layout
+
+    d = tmp_path_factory.mktemp("qwen3_5_vl")
+    mm = qwen3_5_multimodal_layout(tiny_qwen3_5_moe, str(d / "model"))
+    sampling = SamplingParams(max_tokens=16, n=2, seed=5)
+    with vllm_stack(mm, str(d / "logs"), dtype="bfloat16") as st:
+        ctl, url = st["ctl"], st["router"].url
+        ps = prompts(3, seed=31)
+        got = run(rollout(url, ps, sampling, **MOE))
+        hf = HFReference(tiny_qwen3_5_moe, weights_dtype=torch.bfloat16)
+        worst, mean, routes, rows = compare(hf, got)
+        print(f"qwen3.5 multimodal layout: max {worst:.4f}, mean {mean:.5f}, routes {routes:.4f} of {rows}")
+        assert rows > 0 and routes >= ROUTES_EQUAL and mean < MEAN_TOL
+
+        new = perturbed_checkpoint(tiny_qwen3_5_moe, str(d / "v1"), seed=7)
+        send_update(SharedMemoryTransport(ctl, pause_mode="keep"),
+                    {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+                     for k, v in new.items()}, 1)
+        assert ctl.weight_versions() == {u: "1" for u in ctl.urls}
+        gens = run(rollout(url, ps, sampling, **MOE))
+        hf.load(str(d / "v1"))
+        worst, mean, routes, rows = compare(hf, gens)
+        print(f"qwen3.5 multimodal layout after update: max {worst:.4f}, mean {mean:.5f}, routes {routes:.4f}")
+        assert rows > 0 and routes >= 0.97 and mean < MEAN_TOL

@@ -8,6 +8,12 @@ In:  causal_conv1d_fn: x (b, d, l), weight (d, w), optional bias (d,), seq_idx (
 Out: the convolved (and activated) tensor, x's shape and dtype; causal_conv1d_fn with
      return_final_states also the last w - 1 inputs of each row (b, d, w - 1).
 
+Also causal-conv1d's `cpp_functions` API (1.5+), which mamba-ssm's fused Triton path
+(`mamba_split_conv1d_scan_combined`) calls directly: `causal_conv1d_fwd_function` and
+`causal_conv1d_bwd_function` (the backward by autograd through causal_conv1d_fn, in fp32), so
+that path runs with packed sequences where mamba-ssm's Triton kernels are real and the
+causal-conv1d CUDA build is absent.
+
     out[:, c, t] = bias[c] + sum_k weight[c, k] * x[:, c, t - (w - 1) + k]
 with x = 0 before the start (or initial_states) and across a sequence boundary.
 """
@@ -72,6 +78,45 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         outs.append(_activate(y, activation).to(x.dtype))
     y = torch.stack(outs, -1)
     return y[:, :, 0] if squeeze else y
+
+
+def causal_conv1d_fwd_function(x, weight, bias, seq_idx, initial_states, final_states_out, silu_activation):
+    """causal_conv1d.cpp_functions.causal_conv1d_fwd_function: the convolved x (x's layout)."""
+    act = "silu" if silu_activation else None
+    if final_states_out is None:
+        return causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, activation=act)
+    return causal_conv1d_fn(x, weight, bias, seq_idx, initial_states, True, final_states_out, act)[0]
+
+
+def causal_conv1d_bwd_function(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx,
+                               return_dinitial_states, silu_activation):
+    """causal_conv1d.cpp_functions.causal_conv1d_bwd_function: (dx, dweight, dbias, dinitial_states);
+    dx written into the given tensor when one is passed (mamba-ssm hands a strided view)."""
+    if dfinal_states is not None:
+        raise NotImplementedError("the conv1d stand-in's backward takes no gradient of the final states")
+    act = "silu" if silu_activation else None
+    with torch.enable_grad():
+        leaves = [t.detach().float().requires_grad_(True) if t is not None else None
+                  for t in (x, weight, bias, initial_states if return_dinitial_states else None)]
+        xs, ws, bs, init = leaves
+        init = init if init is not None else initial_states
+        y = causal_conv1d_fn(xs, ws, bs, seq_idx, init, activation=act)
+        grads = torch.autograd.grad(y, [t for t in leaves if t is not None], dout.float())
+    it = iter(grads)
+    dxs, dw = next(it), next(it)
+    db = next(it) if bias is not None else None
+    dinit = next(it).to(x.dtype) if return_dinitial_states else None
+    if dx is None:
+        dx = dxs.to(x.dtype)
+    else:
+        dx.copy_(dxs)
+    return dx, dw.to(weight.dtype), db.to(bias.dtype) if db is not None else None, dinit
+
+
+def causal_conv1d_update_function(x, conv_state, weight, bias, silu_activation, cache_seqlens, conv_state_indices):
+    """causal_conv1d.cpp_functions.causal_conv1d_update_function (one decode step)."""
+    return causal_conv1d_update(x, conv_state, weight, bias, "silu" if silu_activation else None,
+                                cache_seqlens, conv_state_indices)
 
 
 def causal_conv1d_varlen_states(x, cu_seqlens, state_len):
