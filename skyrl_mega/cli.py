@@ -38,8 +38,12 @@ def _print_cfg(cfg, args) -> None:
 def cmd_make_tiny(args) -> int:
     from skyrl_mega.models.tiny import make_tiny
 
-    make_tiny(args.family, args.out_dir, seed=args.seed, size=args.size, dtype=args.dtype, device=args.device,
-              weights=not args.config_only, multimodal=args.multimodal)
+    try:
+        make_tiny(args.family, args.out_dir, seed=args.seed, size=args.size, dtype=args.dtype, device=args.device,
+                  weights=not args.config_only, multimodal=args.multimodal)
+    except ValueError as e:  # unknown family or size, --multimodal on another family: one line
+        print(f"skyrl-mega make-tiny: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.size} {args.family} checkpoint to {args.out_dir}")
     return 0
 

@@ -79,3 +79,17 @@ def test_cli_rejects_before_launching(tiny_qwen3_moe, capsys):
     assert rc == 2
     assert "8 experts are not divisible by parallel.ep=3" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["nemotron3", "--multimodal"], "multimodal=True: only for qwen3_5_moe"),
+    (["mixtral"], "unknown model family 'mixtral'"),
+])
+def test_make_tiny_user_errors_are_one_line(argv, needle, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "skyrl_mega.cli", "make-tiny", argv[0], str(tmp_path / "m"), *argv[1:]],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "m").exists()
