@@ -42,7 +42,9 @@ case "$1" in
       ( set +e; timeout ${RL_TIMEOUT:-560} python3 bench/gpu_colocated_rl.py --recipe $f/tiny_gpu --out runs/rl_$f \
           model.path=$m train.steps=${STEPS:-30} > "$OUT/rl_$f.log" 2>&1; echo "[rl] $f exit $?" >> "$OUT/rl_$f.log"
         cp runs/rl_$f/summary.json "$OUT/rl_${f}_summary.json"; cp runs/rl_$f/metrics.jsonl "$OUT/rl_${f}_metrics.jsonl"
-        for l in runs/rl_$f/engine_logs/*.log; do tail -c 60000 "$l" > "$OUT/rl_${f}_$(basename "$l")"; done ) &
+        for l in runs/rl_$f/engine_logs/*.log; do tail -c 60000 "$l" > "$OUT/rl_${f}_$(basename "$l")"
+          grep -a -n -E -B2 -A25 "Traceback|EngineCore.*(Error|Exception)|No module named" "$l" | head -c 40000 \
+            > "$OUT/rl_${f}_errors_$(basename "$l")" || true; done ) &
     done
     wait; tail -n 45 "$OUT"/rl_*.log ;;
   *) echo "usage: $0 install | kernels | rl"; exit 2 ;;

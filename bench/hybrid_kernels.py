@@ -40,6 +40,9 @@ def main() -> int:
     ap.add_argument("--reference", help="stand-in logits saved by a CPU run (--save-logits)")
     ap.add_argument("--save-logits")
     ap.add_argument("--train-tokens", type=int, default=8192)
+    ap.add_argument("--new-shapes", type=int, default=0,
+                    help="then N more fwd+bwd, each on a packed row a token shorter than the last: "
+                         "the first-call cost of a new packed length (Triton specialisation / autotune)")
     args = ap.parse_args()
 
     from safetensors.torch import load_file, save_file
@@ -110,6 +113,20 @@ def main() -> int:
             times.append(time.perf_counter() - t)
             model.zero_grad(set_to_none=True)
         step = statistics.median(times[2:])
+        fresh = []
+        for k in range(1, args.new_shapes + 1):
+            lens_k = lens[:-1] + [lens[-1] - k]
+            cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model(trow[:, :-k], tpos[:, :-k], None, labels=labels[:, :-k],
+                        packed_seq_params=thd_packed_seq_params(cu_k, cu_k, max(lens_k)))
+            out.float().mean().backward()
+            torch.cuda.synchronize()
+            fresh.append(time.perf_counter() - t)
+            model.zero_grad(set_to_none=True)
+        if fresh:
+            res["new_shape_step_s"] = fresh
         res.update(train_tokens=int(trow.shape[1]), train_sequences=n, train_step_s=step,
                    train_tokens_per_s=trow.shape[1] / step, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     print(json.dumps(res))

@@ -176,7 +176,8 @@ class NemotronHBridge(LocalSpecMixin, FusedPartsTP, LLMBridge):
                 self.config, self.pattern, vocab_size=self.hf_config.vocab_size,
                 max_sequence_length=self.hf_config.max_position_embeddings, pre_process=pre_process,
                 post_process=post_process, routing_replay=self.routing_replay,
-                share_embeddings_and_output_weights=tied, vp_stage=vp_stage)
+                share_embeddings_and_output_weights=tied, vp_stage=vp_stage,
+                fast=self.layer_spec_choice == "fast")
             for callback in post_model_creation_callbacks:
                 callback(model, pre_process=pre_process, post_process=post_process, config=self.config,
                          hf_config=self.hf_config)

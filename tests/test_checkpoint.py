@@ -67,38 +67,46 @@ def test_partial_and_manifestless_dirs_are_skipped(runs, tmp_path):
     assert not any(".partial" in m for m in messages)
 
 
-def test_keep_last_prunes_old_complete_checkpoints(runs, tmp_path):
-    from skyrl_mega.checkpoint.dist_ckpt import prune
+def test_keep_last_prunes_old_complete_checkpoints_without_reading_them(runs, tmp_path, monkeypatch):
+    from skyrl_mega.checkpoint import dist_ckpt
 
     assert [s for s, _ in list_checkpoints(runs[0] / "ckpt")] == [2, 4]  # keep_last=2 kept both
     root = tmp_path / "ckpt"
     shutil.copytree(runs[0] / "ckpt", root)
     shutil.copytree(root / "step_000002", root / "step_000001")
-    prune(str(root), keep_last=1)
-    # step 4 is corrupted (above), so it is not a complete checkpoint and is left for inspection;
-    # of the complete ones only the newest (step 2) survives
-    assert [s for s, _ in list_checkpoints(root)] == [2, 4]
+    shutil.copytree(root / "step_000002", root / "step_000003")
+    os.remove(root / "step_000003" / "skyrl_complete.json")  # incomplete: never pruned, never counted
+
+    def no_reading(path):
+        raise AssertionError(f"prune read {path}")
+
+    monkeypatch.setattr(dist_ckpt, "_crc32", no_reading)
+    dist_ckpt.prune(str(root), keep_last=1)
+    # complete = manifest present and every file of its size (step 4's flipped bytes are found
+    # by the checksums at load, not here); of steps 1, 2, 4 only the newest stays
+    assert [s for s, _ in list_checkpoints(root)] == [3, 4]
 
 
-def test_trainer_checkpoint_converts_to_the_weights_it_saved(runs, tiny_qwen3_moe, tmp_path):
-    """A trainer checkpoint (model + optimizer state; conversion is strict on model tensors only)
-    converts to HF tensors equal to the training run's own HF export of the same step."""
-    import glob
+def test_each_rank_checksums_its_own_shards_and_load_splits_the_checksums(runs):
+    from skyrl_mega.checkpoint import dist_ckpt
 
-    import torch
-    from safetensors.torch import load_file
+    older = list_checkpoints(runs[0] / "ckpt")[0][1]
+    files = json.load(open(os.path.join(older, "skyrl_complete.json")))["files"]
+    writers = {dist_ckpt._writer(rel) for rel in files}
+    assert writers == {0, 1}  # both ranks' shards (and RNG files) were listed by their writers
+    assert {"rng/rank_00000.safetensors", "rng/rank_00001.safetensors"} <= set(files)
+    shares = [dist_ckpt._checksum_share(files, k, 2) for k in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(files)  # every file checked once
+    sizes = [sum(files[r]["bytes"] for r in share) for share in shares]
+    assert max(sizes) - min(sizes) <= max(f["bytes"] for f in files.values())  # balanced by bytes
 
-    from skyrl_mega import cli
 
-    out = str(tmp_path / "hf")
-    assert cli.main(["convert", "mcore-to-hf", str(runs[0] / "ckpt" / "step_000002"), out, "--hf", tiny_qwen3_moe,
-                     "--nproc", "2", "parallel.ep=2"]) == 0
+def test_convert_of_a_corrupted_trainer_checkpoint_is_one_line_from_the_ranks(runs, tiny_qwen3_moe, tmp_path):
+    """The launcher reads no checkpoint bytes (sizes only); the ranks split the checksums."""
+    from tests.test_convert_errors import _assert_user_error, _convert
 
-    def tensors(d):
-        return {k: v for f in glob.glob(os.path.join(d, "*.safetensors")) for k, v in load_file(f).items()}
-
-    converted, exported = tensors(out), tensors(runs[0] / "hf_step_2")
-    assert sorted(converted) == sorted(exported)
-    assert all(torch.equal(converted[k], exported[k]) for k in exported)
-    initial = load_file(os.path.join(tiny_qwen3_moe, "model.safetensors"))
-    assert any(not torch.equal(converted[k], initial[k]) for k in initial)  # two steps of training
+    newest = list_checkpoints(runs[0] / "ckpt")[-1][1]
+    victim = next(f for f in sorted(os.listdir(newest)) if f.endswith(".distcp"))  # corrupted above
+    dst = str(tmp_path / "out")
+    _assert_user_error(_convert("mcore-to-hf", newest, dst, "--hf", tiny_qwen3_moe, "--nproc", "2", "parallel.ep=2"),
+                       f"{newest} is not a usable checkpoint: {victim} fails its checksum", dst)

@@ -26,14 +26,21 @@ def _count(err):
     return int(m.group(1)) if m else err.count("invalid config")
 
 
-def test_validate_names_bad_algorithm_names_and_cp_on_the_local_spec(tiny_qwen3_moe, capsys):
-    rc = cli.main(["validate", "--recipe", RECIPE, f"model.path={tiny_qwen3_moe}",
+def test_validate_names_bad_algorithm_names_and_cp_on_a_hybrid(tiny_nemotron3, capsys):
+    rc = cli.main(["validate", "--recipe", RECIPE, f"model.path={tiny_nemotron3}",
                    "algorithm.kl_estimator=k9", "algorithm.reduction=bogus", "parallel.cp=2"])
     err, _ = _problems(capsys)
     assert rc == 2, err
     assert "algorithm.kl_estimator='k9'" in err and "k3" in err  # names the key and the choices
     assert "algorithm.reduction='bogus'" in err and "token_mean" in err
-    assert "parallel.cp=2" in err and "local" in err and "parallel.cp=1" in err
+    assert "parallel.cp=2" in err and "Mamba2" in err and "parallel.cp=1" in err
+
+
+def test_cp_is_valid_on_the_local_and_fast_specs(tiny_qwen3_moe, capsys):
+    for spec in ("local", "fast"):
+        rc = cli.main(["validate", "--recipe", RECIPE, f"model.path={tiny_qwen3_moe}", "parallel.cp=2",
+                       "parallel.world_size=2", f"model.spec={spec}", "train.packing=true"])
+        assert rc == 0, capsys.readouterr().err
 
 
 def test_train_rejects_them_before_torchrun(tiny_qwen3_moe, capsys):
@@ -46,7 +53,7 @@ def test_train_rejects_them_before_torchrun(tiny_qwen3_moe, capsys):
 
 # one bad value per field; each must be named (by its key) in the one message
 BAD_FIELDS = {
-    "model.dtype": "float16", "model.spec": "fast", "parallel.tp": "0", "parallel.world_size": "0",
+    "model.dtype": "float16", "model.spec": "turbo", "parallel.tp": "0", "parallel.world_size": "0",
     "optim.lr": "-1", "optim.min_lr": "1.0", "optim.weight_decay": "-0.1", "optim.adam_beta1": "1.5",
     "optim.adam_beta2": "-0.1", "optim.adam_eps": "0", "optim.clip_grad": "-1", "optim.lr_warmup_steps": "-1",
     "optim.lr_decay_style": "linear",

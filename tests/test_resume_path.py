@@ -66,13 +66,20 @@ def corrupt(full, tmp_path_factory):
     return path, f"{victim} fails its checksum"
 
 
-def test_missing_or_corrupt_resume_path_is_one_line_before_torchrun(corrupt, tiny_qwen3_moe, tmp_path):
+def test_missing_or_truncated_resume_path_is_one_line_before_torchrun(corrupt, tiny_qwen3_moe, tmp_path):
+    """What the launcher sees without reading the checkpoint (its manifest, the file sizes) is
+    one line before torchrun; flipped bytes are the ranks' checksums' job (next test)."""
     nowhere = str(tmp_path / "nowhere" / "step_000002")
     rc, out = _train_cli(tiny_qwen3_moe, tmp_path / "run", nowhere)  # --timeout 1: torchrun would time out
     assert rc == 2 and len(out.strip().splitlines()) == 1 and "Traceback" not in out, out
     assert out.startswith("skyrl-mega: ") and f"checkpoint.resume='{nowhere}'" in out, out
-    path, why = corrupt
+    path = str(tmp_path / "truncated" / "step_000002")
+    shutil.copytree(corrupt[0], path)
+    victim = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+    size = os.path.getsize(os.path.join(path, victim))
+    os.truncate(os.path.join(path, victim), size - 10)
     rc, out = _train_cli(tiny_qwen3_moe, tmp_path / "run", path)
+    why = f"{victim} has {size - 10} bytes, manifest says {size}"
     assert (rc, out.strip()) == (2, f"skyrl-mega: checkpoint.resume={path} is not a usable checkpoint: {why}"), out
     assert not os.path.exists(tmp_path / "run")  # nothing made for a run that did not start
 

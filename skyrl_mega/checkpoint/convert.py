@@ -25,7 +25,7 @@ from ..config import load_config
 from ..errors import run_rank
 from ..megatron import parallel
 from ..megatron.model import build_bridge
-from .dist_ckpt import _unwrap
+from .dist_ckpt import MANIFEST, CheckpointError, _unwrap, verify_distributed
 from .tensor_names import (check_same_tensors, dist_ckpt_model_keys, hf_file_tensor_names, hf_weight_names,
                            requested_keys)
 
@@ -81,6 +81,10 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str) -> None:
     state = _model_state(models)
     check_same_tensors(f"{ckpt_dir} does not match {os.path.join(cfg.model.path, 'config.json')}",
                        requested_keys(state), dist_ckpt_model_keys(ckpt_dir))
+    if os.path.exists(os.path.join(ckpt_dir, MANIFEST)):  # a trainer checkpoint: its checksums, split
+        why = verify_distributed(ckpt_dir)
+        if why is not None:
+            raise CheckpointError(f"{ckpt_dir} is not a usable checkpoint: {why}")
     loaded = dist_checkpointing.load(state, ckpt_dir)
     for i, m in enumerate(models):
         _unwrap(m).load_state_dict(loaded[f"model{i}" if len(models) > 1 else "model"])

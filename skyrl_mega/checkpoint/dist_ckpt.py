@@ -7,6 +7,13 @@ manifest written last (file sizes + crc32). Ranks write into `step_<N>.partial/`
 renamed only after every rank finished, so a crash mid-save never leaves a checkpoint that
 looks complete; a directory whose manifest is missing or whose files do not match it is
 skipped with a message, and the previous complete checkpoint is used.
+
+Integrity at scale: no rank reads the whole checkpoint. On save each rank checksums the files it
+wrote itself (megatron's `__<rank>_<n>.distcp` shards and its RNG file; rank 0 the rest) and
+rank 0 merges the lists into the manifest. On load the ranks split the checksum work
+(`verify_distributed`: file sizes everywhere, each file's crc32 on one rank, the verdict shared),
+so a corrupted shard is still found before anything is loaded. Pruning and the launcher's
+pre-flight check read only the manifest and file sizes (`verify_checkpoint(deep=False)`).
 """
 
 from __future__ import annotations
@@ -59,6 +66,16 @@ def _crc32(path: str) -> int:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
+_RNG = re.compile(r"^rng/rank_(\d+)\.safetensors$")
+
+
+def _writer(rel: str) -> int:
+    """The rank that wrote file `rel` of a checkpoint (its own shards and RNG state; rank 0 the rest)."""
+    m = _SHARD.match(rel) or _RNG.match(rel)
+    return int(m.group(1)) if m else 0
 
 
 def _list_files(d: str) -> list[str]:
@@ -120,10 +137,13 @@ def save_checkpoint(root: str, step: int, models, optimizer=None, scheduler=None
         with open(os.path.join(partial, TRAINER_STATE), "w") as f:
             json.dump({"step": step, **(trainer_state or {})}, f)
     _barrier()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    listed = _list_files(partial)
+    mine = {p: {"bytes": os.path.getsize(os.path.join(partial, p)), "crc32": _crc32(os.path.join(partial, p))}
+            for p in listed if _writer(p) % world == _rank()}
+    everyone = _all_ranks_json(mine)
     if _rank() == 0:
-        files = {p: {"bytes": os.path.getsize(os.path.join(partial, p)), "crc32": _crc32(os.path.join(partial, p))}
-                 for p in _list_files(partial)}
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        files = {p: meta for part in everyone for p, meta in part.items()}
         with open(os.path.join(partial, MANIFEST), "w") as f:
             json.dump({"step": step, "world_size": world, "files": files}, f)
             f.flush()
@@ -136,26 +156,56 @@ def save_checkpoint(root: str, step: int, models, optimizer=None, scheduler=None
     return final
 
 
-def verify_checkpoint(path: str) -> str | None:
-    """None when the directory is a complete, intact checkpoint; else why not."""
+def _all_ranks_json(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    from ..weight_sync.collectives import all_gather_json
+
+    return all_gather_json(obj)
+
+
+def _checksum_share(files: dict, part: int, parts: int) -> list[str]:
+    """The files whose crc32 part `part` of `parts` checks: largest first, each to the part with
+    the fewest bytes so far (the same split on every rank)."""
+    load, share = [0] * parts, []
+    for rel in sorted(files, key=lambda r: (-files[r]["bytes"], r)):
+        k = min(range(parts), key=lambda i: (load[i], i))
+        load[k] += files[rel]["bytes"]
+        if k == part:
+            share.append(rel)
+    return share
+
+
+def verify_checkpoint(path: str, deep: bool = True, part: tuple[int, int] = (0, 1)) -> str | None:
+    """None when the directory is a complete, intact checkpoint; else why not. Always: the
+    manifest and every file's size; deep: the crc32 of this `part` (index, count) of the files."""
     if not os.path.isdir(path):
         return "it does not exist"
     manifest = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest):
         return "no completion manifest (the save did not finish)"
     try:
-        meta = json.load(open(manifest))
+        files = json.load(open(manifest)).get("files", {})
     except (OSError, json.JSONDecodeError) as e:
         return f"unreadable manifest ({e})"
-    for rel, want in meta.get("files", {}).items():
+    for rel, want in files.items():
         p = os.path.join(path, rel)
         if not os.path.exists(p):
             return f"missing file {rel}"
         if os.path.getsize(p) != want["bytes"]:
             return f"{rel} has {os.path.getsize(p)} bytes, manifest says {want['bytes']}"
-        if _crc32(p) != want["crc32"]:
+    for rel in _checksum_share(files, *part) if deep else []:
+        if _crc32(os.path.join(path, rel)) != files[rel]["crc32"]:
             return f"{rel} fails its checksum"
     return None
+
+
+def verify_distributed(path: str) -> str | None:
+    """Collective: verify_checkpoint with the checksums split over the ranks; the same verdict
+    (the first problem any rank found) on every rank."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    found = _all_ranks_json(verify_checkpoint(path, deep=True, part=(_rank(), world)))
+    return next((why for why in found if why is not None), None)
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -165,10 +215,13 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def find_latest(root: str, log=print) -> str | None:
-    """The newest checkpoint that verifies; explains each one skipped."""
+def find_latest(root: str, log=print, verify=verify_checkpoint, below: int | None = None) -> str | None:
+    """The newest checkpoint (older than step `below`, if given) that `verify` passes; explains
+    each one skipped."""
     for step, path in reversed(list_checkpoints(root)):
-        why = verify_checkpoint(path)
+        if below is not None and step >= below:
+            continue
+        why = verify(path)
         if why is None:
             return path
         log(f"[checkpoint] skipping {path}: {why}")
@@ -176,16 +229,19 @@ def find_latest(root: str, log=print) -> str | None:
 
 
 def prune(root: str, keep_last: int) -> None:
-    complete = [p for _, p in list_checkpoints(root) if verify_checkpoint(p) is None]
+    """Keeps the newest `keep_last` complete checkpoints (manifest and sizes; nothing re-read)."""
+    complete = [p for _, p in list_checkpoints(root) if verify_checkpoint(p, deep=False) is None]
     for path in complete[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(path: str, models, optimizer=None, scheduler=None) -> dict:
-    """Collective. Restores weights, optimizer, scheduler and this rank's RNG; returns trainer state."""
+def load_checkpoint(path: str, models, optimizer=None, scheduler=None, verify: bool = True) -> dict:
+    """Collective. Verifies the checkpoint (verify_distributed; verify=False: the caller just
+    did), then restores weights, optimizer, scheduler and this rank's RNG; returns the trainer
+    state."""
     from megatron.core import dist_checkpointing
 
-    why = verify_checkpoint(path)
+    why = verify_distributed(path) if verify else verify_checkpoint(path, deep=False)
     if why is not None:
         raise CheckpointError(f"{path} is not a usable checkpoint: {why}")
     if optimizer is not None:

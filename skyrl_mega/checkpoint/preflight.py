@@ -5,8 +5,9 @@ config (checkpoint.resume). Out: None, or one CheckpointError (or ConfigError) w
 names the file and the problem:
   - an HF dir that is missing, has no (or an unreadable) config.json, a model_type without a
     bridge, no *.safetensors, an index naming a missing shard, a truncated or corrupt shard;
-  - a dist-ckpt dir that is missing, has no metadata.json, or (a trainer checkpoint) does not
-    verify against its manifest;
+  - a dist-ckpt dir that is missing, has no metadata.json, or (a trainer checkpoint) misses a
+    file of its manifest or has one of another size (the checksums are the ranks' job, split
+    between them when they load it: dist_ckpt.verify_distributed);
   - a parallel layout that does not divide the model (config validation);
   - a checkpoint.resume=<path> that does not exist or does not verify.
 What can be known only after the model is built (which tensors it loads) is checked in the
@@ -109,8 +110,8 @@ def check_dist_ckpt(ckpt_dir: str) -> None:
         raise CheckpointError(f"{ckpt_dir} does not exist (expected a Megatron dist-ckpt directory)")
     if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
         raise CheckpointError(f"{ckpt_dir} is not a Megatron dist-ckpt directory (no metadata.json)")
-    if os.path.exists(os.path.join(ckpt_dir, MANIFEST)):
-        why = verify_checkpoint(ckpt_dir)
+    if os.path.exists(os.path.join(ckpt_dir, MANIFEST)):  # checksums: by the ranks, split, at load
+        why = verify_checkpoint(ckpt_dir, deep=False)
         if why is not None:
             raise CheckpointError(f"{ckpt_dir} is not a usable checkpoint: {why}")
 
@@ -132,7 +133,7 @@ def check_resume(cfg) -> None:
     path = cfg.checkpoint.resume
     if path in ("auto", "none"):
         return
-    why = verify_checkpoint(path)
+    why = verify_checkpoint(path, deep=False)  # checksums: by the ranks, split, at load
     if why is not None and not os.path.exists(os.path.join(path, MANIFEST)) and list_checkpoints(path):
         why = (f"it holds checkpoints, it is not one: pass one of its step_N directories, e.g. "
                f"{list_checkpoints(path)[-1][1]}")

@@ -89,7 +89,9 @@ fla.py (flash-linear-attention absent; read megatron-core 0.16.1, 0.17.1, 0.18.2
   test: tests/test_kernels_gdn.py::test_fla_standins_serve_megatron_gated_delta_net
 
 Not shims (spec entries, chosen in megatron/specs): SdpaDotProductAttention (THD packed
-attention on the local spec, megatron/attention.py), SequenceParallelRMSNorm (norm.py) and the
+attention on the local spec, megatron/attention.py), the fast spec's GroupedGemmExperts
+(megatron/experts.py) and VarlenDotProductAttention (torch's varlen API differences are read off
+its signature in megatron/kernels/varlen_attention.py), SequenceParallelRMSNorm (norm.py) and the
 R3 router R3TopKRouter (specs/common.py, per-model replay state instead of megatron's
 process-global RouterReplay list).
 """

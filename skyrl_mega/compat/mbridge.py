@@ -1,10 +1,10 @@
 """mbridge shims: make an mbridge bridge build skyrl's layer spec, and load / export the local one.
 
 In:  an mbridge bridge class; mix `LocalSpecMixin` in before it (bridges/qwen3_moe.py does).
-     Instance attributes set by bridges/interface.py: `layer_spec_choice` ('te' | 'local'),
+     Instance attributes set by bridges/interface.py: `layer_spec_choice` ('te' | 'local' | 'fast'),
      `family` (HF model_type), `routing_replay`.
 Out: the bridge builds `skyrl_mega.megatron.specs.layer_spec(...)` (mbridge 0.15.1 always builds
-     megatron's TE spec), and with the local spec it maps local parameter names to the TE-style
+     megatron's TE spec), and with the local or fast spec it maps local parameter names to the TE-style
      names mbridge's HF mappings are keyed on:
        decoder.layers.N.input_layernorm.weight
            -> decoder.layers.N.self_attention.linear_qkv.layer_norm_weight
@@ -52,7 +52,7 @@ class LocalSpecMixin:
                           routing_replay=self.routing_replay)
 
     def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True):
-        if self.layer_spec_choice != "local" or not _NAMES.needed_here():
+        if self.layer_spec_choice == "te" or not _NAMES.needed_here():
             return super()._weight_name_mapping_mcore_local_to_global(model, consider_ep)
         mark_applied(_NAMES)
         mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)

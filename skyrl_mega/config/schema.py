@@ -15,7 +15,7 @@ from typing import List, Any, Dict, Optional
 class ModelConfig:
     path: Optional[str] = None  # HF checkpoint directory (required; `skyrl-mega demo` makes a tiny one)
     dtype: str = "float32"  # float32 | bfloat16
-    spec: str = "auto"  # auto | te | local (auto: TE when transformer-engine is importable)
+    spec: str = "auto"  # auto | te | local | fast (auto: TE if it imports, else fast with CUDA, else local)
 
 
 @dataclass

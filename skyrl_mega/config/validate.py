@@ -6,7 +6,7 @@ model.path). Out: None, or one ConfigError listing every problem, one line each,
 key, what is wrong and how to fix it (a single problem is a single line).
 
 Checked here: the model checkpoint and layer spec, the parallel layout against the world size,
-the model (experts vs EP, layers vs PP, heads vs TP) and the spec (context parallel needs TE);
+the model (experts vs EP, layers vs PP, heads vs TP, context parallel on attention-only models);
 field_checks.py: every other field (ranges, choices, registered names and their options,
 engine URLs). for_training adds what only a training run needs (its data); probe_engines asks
 each rollout.external_urls engine for /health (the CLI does; ranks skip it).
@@ -22,6 +22,8 @@ from ..errors import UserError
 from .field_checks import SEQUENCE_LEVEL, at_least, choice, field_problems
 
 MODEL_DTYPES = ("float32", "bfloat16")
+# model families whose sequence mixers have no context-parallel split in the project's specs
+CP_UNSUPPORTED = {"nemotron_h": "Mamba2", "qwen3_5_moe": "Gated DeltaNet", "qwen3_5_moe_text": "Gated DeltaNet"}
 
 
 class ConfigError(UserError, ValueError):
@@ -87,10 +89,6 @@ def layout_problems(cfg, world: int) -> list[str]:
     if world % (etp * p.ep * p.pp):
         out.append(f"world size {world} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp} = {etp * p.ep * p.pp}")
     if p.cp > 1:
-        if not spec_problems(cfg.model.spec) and not uses_te(cfg.model.spec):
-            out.append(f"parallel.cp={p.cp}: context parallel needs the TE layer spec, and model.spec="
-                       f"{cfg.model.spec} builds the local spec, which cannot run it: set parallel.cp=1 "
-                       "(or model.spec=te with transformer-engine installed)")
         if not cfg.train.packing:
             out.append(f"parallel.cp={p.cp} needs train.packing=true (THD)")
         if a.policy_loss in SEQUENCE_LEVEL or (a.off_policy or "") in SEQUENCE_LEVEL:
@@ -116,6 +114,10 @@ def model_layout_problems(cfg, hf: dict[str, Any]) -> list[str]:
     layers = hf.get("num_hidden_layers", 0)
     if layers and layers % p.pp:
         out.append(f"{layers} layers are not divisible by parallel.pp={p.pp}")
+    if p.cp > 1 and hf.get("model_type") in CP_UNSUPPORTED:
+        out.append(f"parallel.cp={p.cp}: context parallel is built for attention-only models (Qwen3-MoE); "
+                   f"{hf['model_type']} has {CP_UNSUPPORTED[hf['model_type']]} layers, which have no CP "
+                   "split here: set parallel.cp=1 (and spread long sequences with tp / pp)")
     heads, kv = hf.get("num_attention_heads", 0), hf.get("num_key_value_heads", 0)
     if heads and heads % p.tp:
         out.append(f"{heads} attention heads are not divisible by parallel.tp={p.tp}")

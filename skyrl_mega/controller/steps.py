@@ -14,8 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import find_latest, load_checkpoint, save_checkpoint
-from ..checkpoint.dist_ckpt import step_dir
+from ..checkpoint import find_latest, load_checkpoint, save_checkpoint, verify_checkpoint
+from ..checkpoint.dist_ckpt import step_dir, verify_distributed
 from ..devices import current_device
 from ..errors import PeerFailed, UserError, claim_error_file, one_line, report_now
 from ..rollout.errors import RolloutError, WeightSyncError
@@ -75,28 +75,40 @@ def on_rank0(what: str, fn, *args):
 
 def resume_path(cfg, ckpt_root: str) -> str | None:
     """Collective: the checkpoint to resume from, the same on every rank, or None.
-    checkpoint.resume=auto: the newest in ckpt_root that verifies (rank 0 picks, every rank learns
-    its step); none: None; anything else: that path (which may be in another run's dir)."""
+    checkpoint.resume=auto: the newest in ckpt_root that verifies: rank 0 proposes the newest
+    complete one (manifest and sizes), all ranks check its checksums together
+    (verify_distributed), a failing one is skipped for the next older; none: None; anything
+    else: that path (which may be in another run's dir)."""
     choice = cfg.checkpoint.resume
     if choice == "none":
         return None
     if choice != "auto":
         return choice
-    step = -1
-    if dist.get_rank() == 0:
-        path = find_latest(ckpt_root, log=log0)
-        step = int(os.path.basename(path.rstrip("/")).split("_")[-1]) if path else -1
-    step = bcast_int(step)
-    return step_dir(ckpt_root, step) if step >= 0 else None
+    below = None
+    while True:
+        step = -1
+        if dist.get_rank() == 0:
+            path = find_latest(ckpt_root, log=log0, verify=lambda p: verify_checkpoint(p, deep=False), below=below)
+            step = int(os.path.basename(path.rstrip("/")).split("_")[-1]) if path else -1
+        step = bcast_int(step)
+        if step < 0:
+            return None
+        why = verify_distributed(step_dir(ckpt_root, step))
+        if why is None:
+            return step_dir(ckpt_root, step)
+        log0(f"[checkpoint] skipping {step_dir(ckpt_root, step)}: {why}")
+        below = step
+
 
 
 def resume(cfg, ckpt_root: str, models, optimizer, scheduler) -> tuple[int, dict]:
-    """Collective: loads the checkpoint to resume from (load_checkpoint verifies it on every rank,
-    so a bad one is the same CheckpointError everywhere); returns (its step, trainer state)."""
+    """Collective: loads the checkpoint to resume from (verified by all ranks together, so a bad
+    one is the same CheckpointError everywhere); returns (its step, trainer state)."""
     path = resume_path(cfg, ckpt_root)
     if path is None:
         return 0, {}
-    state = load_checkpoint(path, models, optimizer, scheduler)
+    # auto: resume_path verified it already (all ranks, checksums split)
+    state = load_checkpoint(path, models, optimizer, scheduler, verify=cfg.checkpoint.resume != "auto")
     log0(f"loaded checkpoint {path}")
     return int(state["step"]), state
 

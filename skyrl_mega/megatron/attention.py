@@ -6,7 +6,8 @@ Out: the attention output ([s, b, hidden] / [t, 1, hidden]), computed with torch
      memory-efficient kernels on GPU).
 
 `SdpaDotProductAttention` is the core-attention entry of skyrl's local layer spec
-(specs/local.py). Why: megatron-core's DotProductAttention asserts `packed_seq_params is None`
+(specs/local.py); `VarlenDotProductAttention`, the fast spec's (specs/fast.py), runs the packed
+path as one varlen flash-attention call (kernels/varlen_attention.py) where that kernel runs. Why: megatron-core's DotProductAttention asserts `packed_seq_params is None`
 (THD is a TEDotProductAttention feature; unchanged from 0.16.1 to 0.19). Everything else on the
 THD path already works without TE: the attention module squeezes q/k/v to [t, heads, dim] and
 applies RoPE per sequence from cu_seqlens_padded (megatron's unfused
@@ -25,13 +26,33 @@ dropout 0. The subclass adds no state: weights, buffers and checkpoint keys are 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from .cp_attention import cp_packed_attention
+from .kernels.varlen_attention import varlen_causal_attention, varlen_runs
+
 
 class SdpaDotProductAttention(DotProductAttention):
     """DotProductAttention that also takes THD packed sequences (see module docstring)."""
+
+    def __init__(self, config, *args, pg_collection=None, **kwargs):
+        # megatron's DotProductAttention refuses context parallelism (TE's attention has it);
+        # this one runs it for packed sequences (cp_attention.py), so it is built as CP=1
+        cp = config.context_parallel_size
+        if cp > 1:
+            config = copy.copy(config)
+            config.context_parallel_size = 1
+        super().__init__(config, *args, pg_collection=pg_collection, **kwargs)
+        self.cp_size = cp
+        self.cp_group = None
+        if cp > 1:
+            from megatron.core import parallel_state as mpu
+
+            self.cp_group = getattr(pg_collection, "cp", None) or mpu.get_context_parallel_group()
 
     def _sdpa_ok(self) -> bool:
         cfg = self.config
@@ -50,6 +71,16 @@ class SdpaDotProductAttention(DotProductAttention):
             q, k, v, is_causal=True, dropout_p=self._dropout_p(), scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
+
+    def _attend_from(self, q, k, v, q_offset: int):
+        """q [Lq, np, hn] at key positions q_offset.., k / v [Lk, ng, hn] -> [Lq, np, hn]: row i
+        sees keys 0..q_offset+i (causal, aligned to the keys' end when q_offset = Lk - Lq)."""
+        visible = (torch.arange(k.shape[0], device=q.device)[None, :]
+                   <= q_offset + torch.arange(q.shape[0], device=q.device)[:, None])
+        out = F.scaled_dot_product_attention(
+            *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), attn_mask=visible, scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1])
+        return out[0].transpose(0, 1)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -70,17 +101,23 @@ class SdpaDotProductAttention(DotProductAttention):
                 "packed sequences on the local spec need vanilla softmax attention without "
                 "query-key layer scaling or sliding windows; use the TE spec"
             )
-        if self.config.context_parallel_size > 1:
-            raise ValueError("context parallelism with packed sequences needs the TE spec")
         cu = packed_seq_params.cu_seqlens_q_padded
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
-        bounds = [int(x) for x in cu.tolist()]
         t = query.shape[0]
         if query.dim() == 4:  # [t, 1, n, hn] (not squeezed by the caller)
             query, key, value = (x.squeeze(1) for x in (query, key, value))
+        if self.cp_size > 1:
+            if self._dropout_p() > 0:
+                raise ValueError("attention dropout is not supported with context parallelism on the local spec")
+            return cp_packed_attention(query, key, value, cu, self.cp_group, self._attend_from).reshape(t, 1, -1)
+        bounds = [int(x) for x in cu.tolist()]
         if bounds[-1] != t:
             raise ValueError(f"cu_seqlens end at {bounds[-1]} but the packed row has {t} tokens")
+        return self._packed(query, key, value, cu, bounds, packed_seq_params).reshape(t, 1, -1)
+
+    def _packed(self, query, key, value, cu, bounds, packed_seq_params):
+        """[t, np, hn] q / k / v of sequences starting at `bounds` -> [t, np, hn], causal per sequence."""
         outs = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b == a:
@@ -88,5 +125,17 @@ class SdpaDotProductAttention(DotProductAttention):
             # [L, n, hn] -> [1, n, L, hn]
             q, k, v = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))  # [L, np, hn]
-        out = torch.cat(outs, 0)
-        return out.reshape(t, 1, -1)
+        return torch.cat(outs, 0)
+
+
+class VarlenDotProductAttention(SdpaDotProductAttention):
+    """SdpaDotProductAttention whose packed (THD) path is one varlen flash-attention call over the
+    whole packed row (kernels/varlen_attention.py) where that runs (CUDA, fp16 / bf16, no
+    attention dropout in training), instead of one SDPA call per sequence: the fast spec's core
+    attention. Same math (causal within each padded sequence), same (no) state."""
+
+    def _packed(self, query, key, value, cu, bounds, packed_seq_params):
+        if not varlen_runs(query) or self._dropout_p() > 0:
+            return super()._packed(query, key, value, cu, bounds, packed_seq_params)
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        return varlen_causal_attention(query, key, value, cu, longest, scale=self.softmax_scale)

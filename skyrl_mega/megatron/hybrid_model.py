@@ -4,7 +4,7 @@ In:  a megatron TransformerConfig with the mamba_* fields, the layer pattern (on
      layer: M mamba, * attention, - MLP, E MoE), vocabulary size, pre/post process, R3.
 Out: megatron's model: MambaModel (megatron-core 0.16, pattern `hybrid_override_pattern`) or
      HybridModel (0.19, pattern `hybrid_layer_pattern`; MambaModel is only a deprecated wrapper
-     there), built from specs/hybrid_local.py, no position embedding (NemotronH uses none).
+     there), built from specs/hybrid_local.py (with `fast`, its fast modules: specs/fast.py), no position embedding (NemotronH uses none).
 Where mamba_ssm / causal_conv1d are absent the kernel stand-ins are registered first
 (compat/mamba_ssm.py), before megatron's Mamba modules are imported.
 """
@@ -24,7 +24,8 @@ def check_pattern(pattern: str, num_layers: int) -> None:
 
 def build_hybrid_model(config, pattern: str, vocab_size: int, max_sequence_length: int, *,
                        pre_process: bool = True, post_process: bool = True, routing_replay: bool = False,
-                       share_embeddings_and_output_weights: bool = False, vp_stage: int | None = None):
+                       share_embeddings_and_output_weights: bool = False, vp_stage: int | None = None,
+                       fast: bool = False):
     from ..compat.mamba_ssm import apply_mamba_kernel_standins
 
     check_pattern(pattern, config.num_layers)
@@ -32,6 +33,10 @@ def build_hybrid_model(config, pattern: str, vocab_size: int, max_sequence_lengt
     from .specs.hybrid_local import hybrid_stack_spec
 
     spec = hybrid_stack_spec(config, routing_replay=routing_replay)
+    if fast:
+        from .specs.fast import use_fast_modules
+
+        spec = use_fast_modules(spec)
     common = dict(config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                   pre_process=pre_process, post_process=post_process, position_embedding_type="none",
                   share_embeddings_and_output_weights=share_embeddings_and_output_weights)

@@ -29,8 +29,9 @@ megatron (`calculate_per_token_loss=True`), so neither the schedule nor
 `finalize_model_grads` rescales, and DDP sums over DP.
 
 Logprobs come from vocab-parallel logits (`logprobs.vocab_parallel_logprobs`, logits / T).
-Context parallel (TE spec only) is handled in the data path (zig-zag split of tokens, labels,
-routes; per-sample logprobs all-reduced over CP) but not exercised on CPU; sequence-level
+Context parallel: the data path splits tokens, labels and routes zig-zag (packing.py), the
+attention runs on the split (TE's, or the local / fast spec's cp_attention.py), per-sample
+logprobs and the step's metrics are all-reduced over CP (tested at CP=2 on CPU); sequence-level
 losses (gspo, seq_tis, mis) under CP are rejected, like every other bad setting, by the config
 validator (skyrl_mega/config/validate.py) before the ranks start; this module checks only what
 depends on the built model. Virtual pipeline stages are not supported.
@@ -343,6 +344,9 @@ def _reduce_metrics(raw: dict, par: _Par) -> dict:
     sums, maxes = raw["sums"].clone(), raw["maxes"].clone()
     _all_reduce(sums, par.dp_group)
     _all_reduce(maxes, par.dp_group, dist.ReduceOp.MAX)
+    if par.cp > 1:  # each CP rank's loss covers only the tokens it holds
+        _all_reduce(sums, par.cp_group)
+        _all_reduce(maxes, par.cp_group, dist.ReduceOp.MAX)
     if par.pp > 1:  # only the last stage has values; the others add zeros
         _all_reduce(sums, par.pp_group)
         _all_reduce(maxes, par.pp_group, dist.ReduceOp.MAX)

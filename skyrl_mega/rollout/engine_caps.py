@@ -14,6 +14,7 @@ between them, as read from their sources and seen on the servers:
 | weight version: /update_weight_version, /weight_info | absent   | served (dev mode)              |
 | routed experts                         | every layer, uint8 [prompt+gen-1, layers, k] (both) |   |
 | weight-transfer API, sleep/wake, pause | served in dev mode (both; sleep is a no-op on CPU)      |
+| Gated DeltaNet prefill on CUDA (SM90)  | backend 'auto' = FlashInfer, imported at the first prefill (its start-up warm-up only warns): without flashinfer the engine dies at the first request; `--gdn-prefill-backend triton` (fla's kernels) avoids it (`gdn_prefill_flags`) | CPU: Triton/torch path |
 | n>1 without streaming, token endpoint  | fewer choices unless the request asks output_kind FINAL_ONLY (vllm#52398; the client always asks) | fixed |
 
 An unsupported version fails at start (`UnsupportedEngine`, one line naming the range); a
@@ -23,6 +24,7 @@ server that lacks an endpoint the run needs fails with the endpoint named (`requ
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import urllib.request
 from dataclasses import dataclass, field
@@ -71,6 +73,13 @@ class EngineCaps:
             raise ServerStartError(
                 f"vLLM {self.version} at {url} does not serve {', '.join(missing)} (needed for "
                 f"{', '.join(uses)}); dev-mode endpoints need VLLM_SERVER_DEV_MODE=1 on the server")
+
+
+def gdn_prefill_flags() -> list[str]:
+    """Flags a CUDA server of a Gated DeltaNet model (Qwen3.5) needs here: vLLM's default GDN
+    prefill backend on SM90 is FlashInfer, which the engine imports only at the first request;
+    where flashinfer is not installed the Triton backend (fla's kernels) is chosen instead."""
+    return [] if importlib.util.find_spec("flashinfer") is not None else ["--gdn-prefill-backend", "triton"]
 
 
 def check_version(version: str | None, where: str) -> str:

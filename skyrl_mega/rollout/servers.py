@@ -84,6 +84,13 @@ def is_multimodal(model: str) -> bool:
     return "vision_config" in cfg and "text_config" in cfg
 
 
+def has_gdn_layers(model: str) -> bool:
+    """Whether the checkpoint has Gated DeltaNet layers (Qwen3.5: `layer_types` with
+    'linear_attention'; NemotronH's Mamba layers are `layers_block_type` and use no GDN kernel)."""
+    cfg = _hf_config(model)
+    return "linear_attention" in (cfg.get("text_config", cfg).get("layer_types") or [])
+
+
 def has_recurrent_layers(model: str) -> bool:
     """Whether the HF checkpoint dir `model` has Mamba / linear-attention layers (its
     config.json's layers_block_type or layer_types; False when there is no readable one)."""
@@ -186,6 +193,8 @@ class ServerConfig:
                 a += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
             if self.sleep_mode:
                 a.append("--enable-sleep-mode")
+            if has_gdn_layers(self.model):
+                a += engine_caps.gdn_prefill_flags()
         return a + list(self.extra_args)
 
     def env(self, omp_bind: str | None, cuda_devices: str | None = None) -> dict[str, str]:

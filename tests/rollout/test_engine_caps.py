@@ -120,3 +120,21 @@ def test_hybrid_models_run_without_prefix_caching_where_prefill_is_not_chunked(f
     assert ("--no-enable-prefix-caching" in cpu) == (layers is not None)
     gpu = ServerConfig(model=model, device="gpu").argv(8000)  # chunked there: vLLM aligns the cache
     assert "--no-enable-prefix-caching" not in gpu and "--no-enable-chunked-prefill" not in gpu
+
+
+@pytest.mark.parametrize("family, gdn", [("qwen3_moe", False), ("nemotron3", False), ("qwen3_5_moe", True)])
+def test_gdn_models_get_the_triton_prefill_backend_on_gpu_without_flashinfer(family, gdn, tmp_path, monkeypatch):
+    """vLLM 0.26 on an H200 picks FlashInfer for Qwen3.5's GDN prefill and imports it only at the
+    first request: without flashinfer every engine died there (seen on the H200)."""
+    import importlib.util
+
+    from skyrl_mega.models.tiny import make_tiny
+
+    model = make_tiny(family, str(tmp_path / family), weights=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name, *a))
+    gpu = ServerConfig(model=model, device="gpu").argv(8000)
+    assert (gpu[-2:] == ["--gdn-prefill-backend", "triton"]) == gdn
+    assert "--gdn-prefill-backend" not in ServerConfig(model=model).argv(8000)  # CPU: vLLM's own path
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else real(name, *a))
+    assert "--gdn-prefill-backend" not in ServerConfig(model=model, device="gpu").argv(8000)

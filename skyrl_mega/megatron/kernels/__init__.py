@@ -1,4 +1,5 @@
-"""Plain-PyTorch stand-ins for the GPU kernels of the hybrid families, one module per kernel family.
+"""Kernel entry points: plain-PyTorch stand-ins for the hybrid families' GPU kernels, and the
+fast spec's wrappers of torch's fused kernels; one module per kernel family.
 
 In:  the arguments of the GPU library entry point each stands in for (same names, layouts and
      defaults). Out: the same results, computed on any device (float32 math; float64 stays
@@ -20,4 +21,11 @@ megatron's own GatedDeltaNet runs:
                        final states
 Tested against a float64 step-by-step reference and transformers' torch path
 (tests/test_kernels_gdn.py).
+
+Wrappers of torch's own fused kernels for the fast layer spec (specs/fast.py), each with the check
+of where it runs (the callers keep the local math elsewhere):
+  grouped_mm.py        grouped GEMM for the MoE experts (torch grouped_mm / _grouped_mm)
+  varlen_attention.py  causal varlen flash attention over a packed row (torch.nn.attention.varlen;
+                       CUDA, fp16 / bf16; its signature differences across torch releases)
+Tested in tests/test_fast_spec.py (CPU) and tests/test_fast_spec_gpu.py (CUDA).
 """

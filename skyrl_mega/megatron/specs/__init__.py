@@ -6,16 +6,15 @@ Out: `layer_spec(...)`: the decoder block spec GPTModel is built from; `resolve_
      the spec a choice builds here; `spec_problem(choice)`: the config error for a choice, if any.
 
 Choices:
-  auto   te when transformer_engine imports, else local (CPU)
+  auto   te when transformer_engine imports (Qwen3-MoE), else fast with CUDA, else local
   te     megatron-core's transformer-engine modules (te.py)
   local  megatron-core's own modules with skyrl's entries: sequence-parallel RMSNorm, THD-packed
          SDPA core attention (local.py)
-  fast   fused kernels without TE (the entry points in skyrl_mega/megatron/kernels/): not built
-         yet, so choosing it is a ConfigError (never a silent fallback)
+  fast   the local spec with grouped-GEMM experts and varlen flash attention (fast.py); same
+         parameters as local, every family; on CPU its modules run the local math
 The hybrid families have their own local specs: Nemotron 3's Mamba2 stack (hybrid_local.py,
 built by megatron/hybrid_model.py) and Qwen3.5-MoE's Gated DeltaNet decoder on GPTModel
-(gdn_local.py); no TE spec for either is wired yet, so for them `auto` is local and `te` is a
-ConfigError.
+(gdn_local.py); no TE spec for either is wired yet, so for them `te` is a ConfigError.
 Both built specs take `routing_replay=True`, which puts skyrl's R3 router in every MoE layer's
 router slot (common.R3TopKRouter).
 """
@@ -25,13 +24,13 @@ from __future__ import annotations
 from ...config.validate import ConfigError
 
 CHOICES = ("auto", "te", "local", "fast")
-NOT_BUILT = {"fast": "the fast layer spec (fused non-TE kernels, skyrl_mega/megatron/kernels/) is not built yet"}
-# what the local spec needs in megatron's config: no grouped GEMM, megatron's own attention
+NOT_BUILT: dict[str, str] = {}
+# what the local and fast specs need in megatron's config: no grouped GEMM, megatron's own attention
 LOCAL_CONFIG = dict(moe_grouped_gemm=False, attention_backend="local")
 # model family (HF model_type) -> the block builder kind its layers use
 FAMILIES = {"qwen3_moe": "gpt", "nemotron_h": "hybrid", "qwen3_5_moe_text": "gdn", "qwen3_5_moe": "gdn"}
 # the spec choices each kind has built
-BUILT = {"gpt": ("te", "local"), "hybrid": ("local",), "gdn": ("local",)}
+BUILT = {"gpt": ("te", "local", "fast"), "hybrid": ("local", "fast"), "gdn": ("local", "fast")}
 
 
 def te_available() -> bool:
@@ -41,6 +40,12 @@ def te_available() -> bool:
         return True
     except Exception:
         return False
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def spec_problem(choice: str) -> str | None:
@@ -53,14 +58,16 @@ def spec_problem(choice: str) -> str | None:
 
 
 def resolve_spec(choice: str = "auto", family: str | None = None) -> str:
-    """'te' or 'local' for a `model.spec` choice (and model family, when known); ConfigError for
+    """'te', 'fast' or 'local' for a `model.spec` choice (and model family, when known); ConfigError for
     a choice that cannot be built here."""
     problem = spec_problem(choice)
     if problem:
         raise ConfigError(problem)
     built = BUILT[FAMILIES.get(family, "gpt")]
     if choice == "auto":
-        return "te" if te_available() and "te" in built else "local"
+        if te_available() and "te" in built:
+            return "te"
+        return "fast" if cuda_available() else "local"
     if choice not in built:
         raise ConfigError(f"model.spec={choice!r}: no {choice} layer spec is built for {family} yet; "
                           f"use model.spec=local")
@@ -82,4 +89,9 @@ def layer_spec(config, family: str, spec: str = "auto", *, vp_stage: int | None 
         from .te import decoder_block_spec
     else:
         from .local import decoder_block_spec
-    return decoder_block_spec(config, vp_stage=vp_stage, routing_replay=routing_replay)
+    block = decoder_block_spec(config, vp_stage=vp_stage, routing_replay=routing_replay)
+    if kind == "fast":
+        from .fast import use_fast_modules
+
+        block = use_fast_modules(block)
+    return block

@@ -3,11 +3,13 @@
 In:  megatron-core layer specs. A slot holds a class, a ModuleSpec (0.16.1) or, for the MLP /
      MoE slots of 0.19, a functools.partial(module, submodules=...).
 Out: `module_of` / `submodules_of` for any of those forms; `use_r3_router(block)` puts
-     `R3TopKRouter` in the router slot (MoESubmodules.router, 0.16.1 and 0.19) of every MoE layer.
+     `R3TopKRouter` in the router slot (MoESubmodules.router, 0.16.1 and 0.19) of every MoE layer;
+     `swap_modules(spec, {old: new})` replaces module classes anywhere in a spec tree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -59,3 +61,32 @@ def use_r3_router(block) -> int:
             moe.router = R3TopKRouter
             count += 1
     return count
+
+
+def _swapped(entry, mapping: dict, count: list):
+    """`entry` with its own class and every class below it replaced per `mapping`."""
+    if isinstance(entry, type):
+        if entry in mapping:
+            count[0] += 1
+            return mapping[entry]
+        return entry
+    if isinstance(entry, (list, tuple)):
+        return type(entry)(_swapped(e, mapping, count) for e in entry)
+    if isinstance(entry, ModuleSpec):
+        entry.module = _swapped(entry.module, mapping, count)
+        entry.submodules = _swapped(entry.submodules, mapping, count)
+        return entry
+    if isinstance(entry, functools.partial):
+        keywords = {k: _swapped(v, mapping, count) for k, v in entry.keywords.items()}
+        return functools.partial(_swapped(entry.func, mapping, count), *entry.args, **keywords)
+    if dataclasses.is_dataclass(entry) and not isinstance(entry, type):
+        for f in dataclasses.fields(entry):
+            setattr(entry, f.name, _swapped(getattr(entry, f.name), mapping, count))
+    return entry
+
+
+def swap_modules(spec, mapping: dict) -> tuple[object, int]:
+    """(`spec` with each class in `mapping` replaced by its value, how many slots changed); a
+    ModuleSpec or dataclass is edited in place, a partial is rebuilt."""
+    count = [0]
+    return _swapped(spec, mapping, count), count[0]

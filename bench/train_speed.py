@@ -1,0 +1,198 @@
+"""RL train-step speed of the layer specs (local vs fast, and te where it imports) in one run.
+
+What it runs: one random-init Qwen3-MoE of the --preset's shape and one packed batch with R3
+replaying random valid routes (balanced expert load, the same routes for every spec), then for
+each spec in --specs: the policy built from the same HF weights, --warmup + --steps full RL
+train steps (`train_step.train_step`: packed THD micro-batches of --max-tokens, forward+backward
+of the PPO loss, distributed optimizer step), the policy freed before the next spec. Before the
+specs it measures the ceiling: the median of bf16 [8192 x 8192] @ [8192 x 8192] matmuls.
+
+Per spec it prints and writes (--out, JSON): median step time, tokens/s, model TFLOP/s and its
+fraction of the measured ceiling, peak memory. Model FLOPs per step: 6 x the matmul parameters
+each token uses (attention projections, the top-k experts' and the dense layers' MLPs, the router
+and the LM head: fwd 2 + bwd 4 FLOPs per parameter) x tokens, plus causal attention
+6 x L^2 x heads x head_dim per layer for every sequence of length L. Ratios between specs come
+from this one run.
+
+GPU, one H200 (the carried wheels first; see BENCHMARKS.md):
+    PYTHONPATH=/tmp/site:$PWD python3 bench/train_speed.py --preset h200_4k
+CPU smoke run (tiny model, fp32; no ceiling fraction worth reading):
+    python bench/train_speed.py --preset cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.train_step_bench import PRESETS as STEP_PRESETS  # noqa: E402
+from bench.train_step_bench import ensure_model, make_batch  # noqa: E402
+
+PRESETS = {
+    "cpu": dict(STEP_PRESETS["cpu"], batch=8, min_len=64, max_len=64, steps=2, warmup=1, max_tokens=256),
+    # ~1.63B MoE (16 layers, layer 0 dense, 64 experts top-8), 32 sequences of 4096 tokens
+    "h200_4k": dict(STEP_PRESETS["h200"], layers=16, batch=32, min_len=4096, max_len=4096, steps=3, warmup=1,
+                    max_tokens=16384),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    for name in ("hidden", "ffn", "moe_ffn", "layers", "heads", "kv_heads", "head_dim", "experts", "topk", "vocab",
+                 "batch", "min_len", "max_len", "max_tokens", "steps", "warmup", "seed"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--specs", default="local,fast", help="comma-separated model.spec values, timed in this order")
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="profile one more step of the last spec; tables written here")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.recompute_granularity=full")
+    args = p.parse_args(argv)
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    args.seed = 0 if args.seed is None else args.seed
+    return args
+
+
+def matmul_params_per_token(a) -> int:
+    """Matmul parameters one token goes through (embedding lookup excluded)."""
+    attn = a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim + a.heads * a.head_dim * a.hidden
+    moe = a.topk * 3 * a.hidden * a.moe_ffn + a.hidden * a.experts
+    dense = 3 * a.hidden * a.ffn
+    return a.layers * attn + (a.layers - 1) * moe + dense + a.hidden * a.vocab
+
+
+def model_flops(a, lengths) -> float:
+    linear = 6.0 * matmul_params_per_token(a) * sum(lengths)
+    attention = 6.0 * a.layers * a.heads * a.head_dim * sum(n * n for n in lengths)
+    return linear + attention
+
+
+def matmul_ceiling_tflops(n: int = 8192, reps: int = 20) -> float:
+    import torch
+
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for i in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x @ y
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def profile_step(policy, batch, cfg, path: str) -> None:
+    """One train step under torch.profiler: the top ops by device and by host self time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from skyrl_mega.megatron.train_step import train_step
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        train_step(policy, batch, cfg)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    avg = prof.key_averages()
+    with open(path, "w") as f:
+        if torch.cuda.is_available():
+            f.write(avg.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70) + "\n")
+        f.write(avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
+
+
+def time_spec(spec: str, args, path: str, flops: float, lengths) -> dict:
+    import torch
+
+    from skyrl_mega.config import load_config
+    from skyrl_mega.megatron.policy import build_policy
+    from skyrl_mega.megatron.train_step import train_step
+
+    cfg = load_config(None, [
+        f"model.path={path}", f"model.dtype={args.dtype}", f"model.spec={spec}", "optim.lr=1e-6",
+        "algorithm.routing_replay=true", "algorithm.old_logprobs=rollout", "train.packing=true",
+        f"train.max_tokens_per_microbatch={args.max_tokens}", *args.overrides,
+    ])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    policy = build_policy(cfg, total_steps=10_000)
+    batch, _ = make_batch(args, len(policy.bridge.moe_layers), 1, 0)
+    times = []
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        m = train_step(policy, batch, cfg)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        print(f"{spec:6s} step {step} {dt * 1e3:9.1f} ms  micro-batches {int(m['num_microbatches'])}  "
+              f"r3 {m['r3/coverage']:.3f}  loss {m['loss']:.4f}", flush=True)
+        if step >= args.warmup:
+            times.append(dt)
+    if args.profile and spec == args.specs.split(",")[-1]:
+        profile_step(policy, batch, cfg, args.profile)
+    med = statistics.median(times)
+    out = {"median_step_s": med, "step_s": times, "tokens_per_s": sum(lengths) / med,
+           "model_tflops": flops / med / 1e12, "r3_coverage": m["r3/coverage"],
+           "num_microbatches": m["num_microbatches"], "spec_built": policy.bridge.spec}
+    if cuda:
+        out["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del policy, batch
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def run(args) -> dict:
+    import torch
+
+    from skyrl_mega.config import load_config
+    from skyrl_mega.megatron import parallel
+
+    path = ensure_model(args)
+    parallel.init_distributed()
+    parallel.init_model_parallel(load_config(None, [f"model.path={path}"]).parallel, seed=0)
+    _, lengths = make_batch(args, 1, 1, 0)
+    flops = model_flops(args, lengths)
+    ceiling = matmul_ceiling_tflops() if torch.cuda.is_available() else None
+    result = {"preset": args.preset, "torch": torch.__version__, "dtype": args.dtype,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "model": {k: getattr(args, k) for k in ("hidden", "layers", "experts", "topk", "moe_ffn", "vocab")},
+              "matmul_params_per_token": matmul_params_per_token(args), "tokens": sum(lengths),
+              "model_tflop_per_step": flops / 1e12, "matmul_ceiling_tflops": ceiling, "specs": {}}
+    if ceiling:
+        print(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s", flush=True)
+    for spec in [s for s in args.specs.split(",") if s]:
+        r = time_spec(spec, args, path, flops, lengths)
+        if ceiling:
+            r["fraction_of_ceiling"] = r["model_tflops"] / ceiling
+        result["specs"][spec] = r
+        print(f"{spec:6s} median {r['median_step_s'] * 1e3:.1f} ms, {r['tokens_per_s']:.0f} tokens/s, "
+              f"{r['model_tflops']:.1f} TFLOP/s" + (f" = {r['fraction_of_ceiling']:.1%} of the ceiling" if ceiling else ""),
+              flush=True)
+    s = result["specs"]
+    if "local" in s and "fast" in s:
+        result["fast_speedup"] = s["local"]["median_step_s"] / s["fast"]["median_step_s"]
+        print(f"fast / local speed-up {result['fast_speedup']:.2f}x", flush=True)
+    print(json.dumps(result), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    parallel.destroy()
+    return result
+
+
+if __name__ == "__main__":
+    run(parse_args())

@@ -1,0 +1,84 @@
+"""The fast layer spec (grouped-GEMM experts, varlen flash attention) against the local spec.
+
+On real torchrun gloo ranks (tests/workers/fast_spec_worker.py): the same HF weights built with
+model.spec=local and model.spec=fast, the same packed RL batch with R3 replaying the same routes:
+logprobs, RL-loss gradients and the weights after one update agree to fp32 rounding, for every
+family and for the expert layouts that shard the experts (EP, expert TP). On CPU torch's grouped
+GEMM runs (fp32) and the varlen flash kernel does not (CUDA only: the fast attention keeps the
+per-sequence SDPA there, checked on GPU by tests/test_fast_spec_gpu.py).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from skyrl_mega.launcher import run_torchrun
+from skyrl_mega.megatron import specs
+from skyrl_mega.megatron.kernels.grouped_mm import grouped_linear, grouped_mm_runs
+
+from .conftest import REPO
+
+LAYOUTS = {"ws1": (1, []), "ep2": (2, ["parallel.ep=2"]), "tp2": (2, ["parallel.tp=2"])}
+CASES = [("qwen3_moe", "ws1"), ("qwen3_moe", "ep2"), ("qwen3_moe", "tp2"), ("nemotron3", "ws1"),
+         ("qwen3_5_moe", "ws1")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family, layout", CASES)
+def test_fast_spec_equals_local_spec(family, layout, request, tmp_path):
+    nproc, extra = LAYOUTS[layout]
+    model = request.getfixturevalue(f"tiny_{family}")
+    run_torchrun(os.path.join(REPO, "tests/workers/fast_spec_worker.py"), nproc,
+                 [str(tmp_path), f"model.path={model}", *extra], timeout=400, log_file=str(tmp_path / "log.txt"))
+    r = json.load(open(tmp_path / "fast_spec.json"))
+    assert r["local"]["slots"] == {"experts": ["SequentialMLP"], "core_attention": ["SdpaDotProductAttention"]}
+    assert r["fast"]["slots"] == {"experts": ["GroupedGemmExperts"], "core_attention": ["VarlenDotProductAttention"]}
+    assert r["local"]["grouped_gemms"] == 0 and r["fast"]["grouped_gemms"] > 0  # the grouped path ran
+    assert r["fast"]["r3_coverage"] == r["local"]["r3_coverage"] == 1.0
+    for name in ("logprobs", "grads", "weights_after_update"):
+        assert r[f"{name}_rel_diff"] < 1e-5, (name, r)
+
+
+def test_grouped_linear_equals_per_group_matmuls_forward_and_backward():
+    g = torch.Generator().manual_seed(0)
+    sizes = [5, 0, 11, 3]
+    x = torch.randn(sum(sizes), 16, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(len(sizes), 8, 16, generator=g, dtype=torch.float64).float().requires_grad_()
+    offs = torch.tensor(sizes).cumsum(0).int()
+    assert grouped_mm_runs(x, w)
+    y = grouped_linear(x, w, offs)
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    # float64 reference, one matmul per group
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    parts, start = [], 0
+    for e, n in enumerate(sizes):
+        parts.append(x64[start:start + n] @ w64[e].T)
+        start += n
+    ref = torch.cat(parts)
+    ref.backward(dy.double())
+    assert (y.double() - ref).abs().max() < 1e-5
+    assert (x.grad.double() - x64.grad).abs().max() < 1e-5 and (w.grad.double() - w64.grad).abs().max() < 1e-5
+
+
+def test_grouped_gemm_is_not_used_where_torch_cannot_run_it():
+    x = torch.randn(4, 16)
+    assert not grouped_mm_runs(x, torch.randn(2, 6, 16))  # 6 floats = 24 bytes: rows not 16-byte aligned
+    assert not grouped_mm_runs(x.double(), torch.randn(2, 8, 16, dtype=torch.float64))  # no float64 kernel
+    assert not grouped_mm_runs(x, torch.randn(2, 8, 16, dtype=torch.bfloat16))  # mixed dtypes
+
+
+def test_auto_picks_te_then_fast_on_cuda_then_local(monkeypatch):
+    monkeypatch.setattr(specs, "te_available", lambda: False)
+    monkeypatch.setattr(specs, "cuda_available", lambda: True)
+    assert [specs.resolve_spec("auto", f) for f in ("qwen3_moe", "nemotron_h", "qwen3_5_moe")] == ["fast"] * 3
+    monkeypatch.setattr(specs, "cuda_available", lambda: False)
+    assert specs.resolve_spec("auto", "qwen3_moe") == "local"
+    assert specs.resolve_spec("fast", "nemotron_h") == "fast"  # chosen explicitly: also on CPU
+    monkeypatch.setattr(specs, "te_available", lambda: True)
+    monkeypatch.setattr(specs, "cuda_available", lambda: True)
+    assert specs.resolve_spec("auto", "qwen3_moe") == "te"
+    assert specs.resolve_spec("auto", "nemotron_h") == "fast"  # no TE spec for the hybrids
+
