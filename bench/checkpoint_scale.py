@@ -1,6 +1,6 @@
 """Checkpoint save + resume of a multi-GB trainer state: where the integrity checks' time goes.
 
-What it runs (torchrun, --nproc ranks on gloo, EP = ranks): a random-init Qwen3-MoE of the given
+What it runs (torchrun, --ranks ranks on gloo, EP = ranks): a random-init Qwen3-MoE of the given
 shape with megatron's distributed optimizer (Adam state created), then
   save     `save_checkpoint` (each rank checksums the files it wrote; rank 0 writes the manifest)
   resume   the trainer's `resume` (auto: rank 0 proposes the newest complete one, all ranks
@@ -15,7 +15,7 @@ rank's peak RSS, and the previous scheme's save / resume estimated as this run's
 checks in place of this scheme's: save_before = save - own_crc + rank0_crc_all, resume_before =
 resume - split_verify + 2 x full_verify. Ratios come from this one run.
 
-CPU (2 ranks, ~4.4 GB checkpoint): python bench/checkpoint_scale.py --nproc 2
+CPU (2 ranks, ~4.4 GB checkpoint): python bench/checkpoint_scale.py --ranks 2
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--dir", default="runs/bench_checkpoint", help="scratch dir (model, checkpoints); removed after")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
@@ -62,7 +62,7 @@ def run(args) -> None:
     from skyrl_mega.megatron.optimizer import build_optimizer
     from skyrl_mega.weight_sync.collectives import all_gather_json
 
-    cfg = load_config(None, [f"model.path={os.path.join(args.dir, 'model')}", f"parallel.ep={args.nproc}",
+    cfg = load_config(None, [f"model.path={os.path.join(args.dir, 'model')}", f"parallel.ep={args.ranks}",
                              "checkpoint.resume=auto"])
     rank, world = parallel.init_distributed()
     parallel.init_model_parallel(cfg.parallel, seed=0)
@@ -114,7 +114,7 @@ def main(argv=None):
                   intermediate_size=4 * args.hidden, moe_intermediate_size=args.moe_ffn,
                   num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                   num_experts=args.experts, num_experts_per_tok=8, vocab_size=args.vocab)
-        run_torchrun(os.path.abspath(__file__), args.nproc, sys.argv[1:] if argv is None else argv, timeout=3600,
+        run_torchrun(os.path.abspath(__file__), args.ranks, sys.argv[1:] if argv is None else argv, timeout=3600,
                      check=True, stream=True, env={"PYTHONUNBUFFERED": "1"})
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)

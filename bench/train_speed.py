@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.train_step_bench import PRESETS as STEP_PRESETS  # noqa: E402
-from bench.train_step_bench import ensure_model, make_batch  # noqa: E402
+from bench.train_step_bench import ensure_model, fill_preset, make_batch  # noqa: E402
 
 PRESETS = {
     "cpu": dict(STEP_PRESETS["cpu"], batch=8, min_len=64, max_len=64, steps=2, warmup=1, max_tokens=256),
@@ -53,12 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="profile one more step of the last spec; tables written here")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. train.recompute_granularity=full")
-    args = p.parse_args(argv)
-    for k, v in PRESETS[args.preset].items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    args.seed = 0 if args.seed is None else args.seed
-    return args
+    return fill_preset(p.parse_args(argv), PRESETS)
 
 
 def matmul_params_per_token(a) -> int:

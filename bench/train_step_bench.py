@@ -53,6 +53,15 @@ PRESETS = {
 }
 
 
+def fill_preset(args, presets: dict):
+    """Every option left unset takes the value of its --preset (seed 0 unless given)."""
+    for k, v in presets[args.preset].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    args.seed = 0 if args.seed is None else args.seed
+    return args
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -67,11 +76,7 @@ def parse_args(argv=None):
                    help="replayed routes: the model's own live routing (TP=PP=1) or random valid experts")
     p.add_argument("--out", default=None, help="write results JSON here (rank 0)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.ep=2")
-    args = p.parse_args(argv)
-    for k, v in PRESETS[args.preset].items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    args.seed = 0 if args.seed is None else args.seed
+    args = fill_preset(p.parse_args(argv), PRESETS)
     if args.max_tokens is None:
         args.max_tokens = args.micro_batch_size * args.max_len
     return args
