@@ -35,6 +35,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
+from .engine_auth import client_headers
 from .errors import ControlError, RolloutConnectionError, RolloutHTTPError, RolloutResponseError, RolloutTimeoutError
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -43,7 +44,7 @@ PAUSE_MODES = ("abort", "wait", "keep")
 def http_json(method: str, url: str, body: Any = None, timeout_s: float = 60.0) -> Any:
     """One JSON request; returns the decoded body (None for an empty one). Raises RolloutError."""
     data = None
-    headers = {}
+    headers = client_headers()
     if body is not None:
         data = json.dumps(body).encode()
         headers["content-type"] = "application/json"

@@ -55,10 +55,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from . import engine_caps
+from . import engine_auth, engine_caps
+from .engine_auth import job_secret
 from .engine_caps import EngineCaps
 from .errors import ServerStartError
-from ..ports import free_port, port_is_free
+from ..ports import is_loopback, free_port, port_is_free
 from .procs import ChildProcess, http_status, wait_healthy
 
 TORCHRUN_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -182,6 +183,9 @@ class ServerConfig:
             a += ["--max-logprobs", str(self.max_logprobs)]
         if self.served_model_name:
             a += ["--served-model-name", self.served_model_name]
+        if not is_loopback(self.host):  # reachable from other hosts: control needs the job secret
+            job_secret()
+            a += ["--middleware", engine_auth.MIDDLEWARE]
         if self.device == "gpu":
             if self.gpu_memory_utilization is not None:
                 a += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...devices import current_device
-from ...ports import free_port
+from ...ports import address_reaching, free_port
 from ...rollout.control import PAUSE_MODES, EngineControl
 from ...rollout.errors import WeightSyncError
 from ..plan import BucketSpec
@@ -57,7 +57,8 @@ class WeightTransferTransport(WeightTransport):
         self.verify = verify
         self.timeout_s = timeout_s
         self.device = torch.device(device) if device is not None else current_device()
-        self.master_address = master_address or "127.0.0.1"
+        # the group's rendezvous: an address of this host that every engine can connect to
+        self.master_address = master_address or address_reaching(control.urls if control is not None else [])
         self.master_port = master_port
         self.store = None
         self._version = None
