@@ -1,4 +1,4 @@
-"""`skyrl-mega` command line: make-tiny, train, demo, validate, convert.
+"""`skyrl-mega` command line: make-tiny, train, demo, validate, convert, serve.
 
 In: a subcommand, a recipe YAML and `key=value` overrides. Out: the config is validated in
 this process (before any rank or process group starts), then torchrun launches the ranks.
@@ -141,6 +141,28 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """One vLLM engine started as the recipe's trainer would start its own (for job scripts that
+    put engines on other nodes): the same flags (weight-transfer backend, routed experts, the
+    recipe's engine settings, the job secret's middleware beyond loopback), then vLLM replaces
+    this process. --dry-run prints the command line (as JSON) instead."""
+    import json
+
+    from skyrl_mega.controller.engines import server_config
+    from skyrl_mega.controller.placement import plan_placement
+    from skyrl_mega.rollout import engine_caps
+
+    cfg = _load(args.recipe, args.overrides)
+    plan = plan_placement(args.placement, cfg.rollout)
+    server = server_config(cfg, plan, host=args.host)
+    argv = server.argv(args.port, engine_caps.installed().server_flags())
+    if args.dry_run:
+        print(json.dumps(argv))
+        return 0
+    sys.stdout.flush()
+    os.execvpe(argv[0], argv, server.env(None, args.gpus))
+
+
 def main(argv: list[str] | None = None) -> int:
     from skyrl_mega.errors import EXIT_USER_ERROR, UserError, one_line
     from skyrl_mega.launcher import LaunchError
@@ -170,6 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("overrides", nargs="*", help="e.g. parallel.ep=2 model.dtype=bfloat16")
     p.set_defaults(fn=cmd_convert)
+
+    p = sub.add_parser("serve", help="one vLLM engine with the flags the recipe's trainer gives its own")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (beyond loopback: the job secret guards control)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--placement", default="disaggregated", choices=["colocated", "disaggregated"])
+    p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES for this engine")
+    p.add_argument("--dry-run", action="store_true", help="print the vLLM command line and exit")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: key=value")
+    p.set_defaults(fn=cmd_serve)
 
     for name, fn, helptext in (("train", cmd_train, "launch training ranks with torchrun"),
                                ("demo", cmd_demo, "the tiny CPU demo (tiny_cpu recipe; makes its tiny model)"),

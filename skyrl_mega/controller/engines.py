@@ -32,6 +32,19 @@ def request_seed(base: int, step: int, prompt: int, sample: int) -> int:
     return (base * 1_000_003 + step * 10_007 + prompt * 101 + sample) % (2**31 - 1)
 
 
+def server_config(cfg, plan: PlacementPlan, host: str = "127.0.0.1") -> ServerConfig:
+    """The vLLM server a recipe asks for under `plan` (the trainer's own servers, and
+    `skyrl-mega serve` for engines a job script starts elsewhere)."""
+    r, gpu = cfg.rollout, plan.device == "gpu"
+    return ServerConfig(model=cfg.model.path, dtype=r.dtype, max_model_len=r.max_model_len, host=host,
+                        kv_cache_gib=r.kv_cache_gib, seed=r.seed,
+                        return_routed_experts=bool(cfg.algorithm.routing_replay), device=plan.device,
+                        tensor_parallel_size=r.engine_tp if gpu else 1,
+                        gpu_memory_utilization=r.gpu_memory_utilization if gpu else None,
+                        sleep_mode=bool(plan.sleep_level), enforce_eager=r.enforce_eager,
+                        max_num_seqs=r.max_num_seqs, extra_args=plan.server_args() + list(r.extra_args))
+
+
 class RolloutEngines:
     def __init__(self, cfg, moe_layers: list[int], num_hidden_layers: int, num_experts: int):
         self.cfg = cfg
@@ -39,17 +52,8 @@ class RolloutEngines:
         self.plan: PlacementPlan = plan_placement(cfg.placement, r)
         self.log_dir = r.log_dir or os.path.join(cfg.output_dir, "engine_logs")
         self.routes = bool(cfg.algorithm.routing_replay)
-        server_cfg = None
         gpu = self.plan.device == "gpu"
-        if not r.external_urls:
-            server_cfg = ServerConfig(model=cfg.model.path, dtype=r.dtype, max_model_len=r.max_model_len,
-                                      kv_cache_gib=r.kv_cache_gib, seed=r.seed,
-                                      return_routed_experts=self.routes, device=self.plan.device,
-                                      tensor_parallel_size=r.engine_tp if gpu else 1,
-                                      gpu_memory_utilization=r.gpu_memory_utilization if gpu else None,
-                                      sleep_mode=bool(self.plan.sleep_level), enforce_eager=r.enforce_eager,
-                                      max_num_seqs=r.max_num_seqs,
-                                      extra_args=self.plan.server_args() + list(r.extra_args))
+        server_cfg = None if r.external_urls else server_config(cfg, self.plan)
         needs = ["rollout", "control"] + (["weight_transfer"] if self.plan.transport != "shm" else []) \
             + (["sleep"] if self.plan.sleep_level else [])
         self.servers = ServerManager(server_cfg, num_servers=r.num_servers, external_urls=r.external_urls or None,
