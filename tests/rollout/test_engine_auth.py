@@ -7,7 +7,6 @@ require_secret there): /health and rollouts stay open; /pause without the secret
 """
 
 import os
-import socket
 
 import pytest
 
@@ -17,16 +16,8 @@ from skyrl_mega.rollout.control import EngineControl, http_json
 from skyrl_mega.rollout.errors import RolloutHTTPError
 from skyrl_mega.rollout.servers import ServerConfig, ServerManager
 
+from ..test_ports import own_ipv4
 from .vllm_stack import MARKS, MAX_MODEL_LEN, prompts, rollout, run
-
-
-def _own_ipv4():
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))
-            return s.getsockname()[0]
-        except OSError:
-            return None
 
 
 def test_middleware_opens_rollouts_and_guards_control(monkeypatch):
@@ -67,7 +58,7 @@ def _with_vllm(test):
 
 @pytest.fixture(scope="module")
 def remote_server(tiny_qwen3_moe_vllm, tmp_path_factory):
-    host = _own_ipv4()
+    host = own_ipv4()
     if host is None:
         pytest.skip("this host has no routed IPv4 interface")
     os.environ.pop(engine_auth.SECRET_ENV, None)
