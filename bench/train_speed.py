@@ -95,14 +95,23 @@ def profile_step(policy, batch, cfg, path: str) -> None:
     from skyrl_mega.megatron.train_step import train_step
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         train_step(policy, batch, cfg)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
     avg = prof.key_averages()
+    busy = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in avg) / 1e6
     with open(path, "w") as f:
+        f.write(f"wall {wall:.3f} s (profiled), device busy {busy:.3f} s ({busy / wall:.0%})\n")
         if torch.cuda.is_available():
-            f.write(avg.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70) + "\n")
+            for key in ("self_device_time_total", "self_cuda_time_total"):  # the name moved in torch 2.4
+                try:
+                    f.write(avg.table(sort_by=key, row_limit=45, max_name_column_width=70) + "\n")
+                    break
+                except (AttributeError, KeyError, ValueError):
+                    continue
         f.write(avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
 
 

@@ -59,7 +59,9 @@ def counting(fn, counter):
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    d = torch.stack([(a - b).abs().max(), b.abs().max()]).reshape(2)
+    d = torch.stack([(a - b).abs().max(), b.abs().max()]).reshape(2).float()
+    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only; logprobs come back on the CPU
+        d = d.cuda()
     dist.all_reduce(d, op=dist.ReduceOp.MAX)
     return d[0].item(), d[0].item() / max(d[1].item(), 1e-30)
 
