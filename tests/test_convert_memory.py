@@ -1,4 +1,4 @@
-"""`skyrl-mega convert` streams: a ~400 MB model converts both ways at world size 1 with each
+"""`skyrl-mega convert` streams: a ~320 MB model converts both ways at world size 1 with each
 rank's peak resident memory (the ranks' max RSS, read by the kernel: getrusage of the waited-for
 descendants of a fresh process) within a fraction of the model's size above what converting the
 tiny model costs; the round trip through 64 MiB files is bit-exact.
@@ -50,7 +50,7 @@ def big_model(tmp_path_factory):
 
 def test_convert_streams_both_ways_bit_exact(big_model, tiny_qwen3_moe, tmp_path):
     size = os.path.getsize(os.path.join(big_model, "model.safetensors"))
-    assert size > 350e6
+    assert size > 300e6
     baseline = _peak("hf-to-mcore", tiny_qwen3_moe, str(tmp_path / "tiny_mcore"))
     mcore, back = str(tmp_path / "mcore"), str(tmp_path / "hf")
     to_mcore = _peak("hf-to-mcore", big_model, mcore, "--shard-size", "64MiB")

@@ -128,6 +128,29 @@ def split_work(sizes: list[int], world: int, group_bytes: int) -> list[list[list
     return out
 
 
+def _load_units(sharded: dict, names: list[str]) -> list[list[str]]:
+    """Entries loaded together: those saved under a common checkpoint key (a layer's experts:
+    megatron's legacy expert tensors load only as all of a key's local shards), in model order."""
+    from .stream_save import _nested_sharded
+
+    unit_of_key, units = {}, []
+    for n in names:
+        keys = {sh.key for sh in _nested_sharded(sharded[n])}
+        hit = sorted({unit_of_key[k] for k in keys if k in unit_of_key})
+        if not hit:
+            units.append([n])
+            target = len(units) - 1
+        else:
+            target = hit[0]
+            units[target].append(n)
+            for other in hit[1:]:  # entries that join two earlier units
+                units[target] += units[other]
+                units[other] = []
+                unit_of_key.update({k: target for k, u in unit_of_key.items() if u == other})
+        unit_of_key.update({k: target for k in keys})
+    return [u for u in units if u]
+
+
 def _with_data(value):
     """A copy of a meta sharded entry (ShardedTensor or factory) over a real empty tensor."""
     return dataclasses.replace(value, data=torch.empty(value.data.shape, dtype=value.data.dtype))
@@ -153,7 +176,8 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
     sources = bridge.hf_sources(_unwrap(models[0]))
     entries = dict(_unwrap(models[0]).state_dict())
     names = [n for n in sharded if n in sources]
-    sizes = [_entry_bytes(entries[n]) for n in names]
+    units = _load_units(sharded, names)
+    sizes = [sum(_entry_bytes(entries[n]) for n in u) for u in units]
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = split_work(sizes, world, shard_bytes)
     progress = Progress("mcore-to-hf", len(names), sum(sizes), show=rank == 0)
@@ -164,7 +188,7 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
     dist.barrier()
     before, written = rss(), []
     for g in range(max(len(groups) for groups in plan)):  # lockstep: megatron's load is collective
-        group = [names[i] for i in plan[rank][g]] if g < len(plan[rank]) else []
+        group = [n for i in plan[rank][g] for n in units[i]] if g < len(plan[rank]) else []
         loaded = dist_checkpointing.load({prefix: {n: _with_data(sharded[n]) for n in group}}, ckpt_dir,
                                          validate_access_integrity=False).get(prefix, {}) if group or world > 1 else {}
         hf, done = {}, torch.zeros(2, dtype=torch.int64)
