@@ -7,6 +7,16 @@
                  the same architecture
 
 dist-ckpt reshards on load, so the layout used here need not match the one that saved it.
+Streaming (peak memory about one output file, --shard-size, plus the tensor being converted; no
+rank holds a model copy): the model is built on the meta device for its names, shapes and
+sharded-tensor metadata only.
+  hf-to-mcore  at the requested layout; megatron's writer pulls each tensor this rank writes,
+               which is read from HF then (safe_open), converted and cut to this rank's slice
+               by the bridge (stream_save.py), one bounded dist-ckpt file at a time.
+  mcore-to-hf  at TP = PP = EP = 1 (the overrides only size the job): the ranks split the
+               model's whole tensors, load them a group at a time from the dist-ckpt, convert
+               them (the bridge) and write one safetensors file per group (hf_output.py).
+Rank 0 prints progress lines and every rank's peak RSS (progress.py) to stderr.
 Strict: the source must hold exactly the tensors the model loads (tensor_names.py), else a
 CheckpointError names them. The output is written to `<dst>.partial` and renamed when complete;
 a failure removes it. The launching process checks the inputs first (preflight.py).
@@ -45,7 +55,7 @@ def partial_dir(dst: str) -> str:
 
 
 def remove_partial(dst: str) -> None:
-    """What an unfinished conversion to `dst` left (save_hf's own temporary dir included)."""
+    """What an unfinished conversion to `dst` left (an older save_hf's own temporary dir included)."""
     for d in (partial_dir(dst), partial_dir(partial_dir(dst))):
         shutil.rmtree(d, ignore_errors=True)
 
