@@ -95,6 +95,44 @@ class ModelBridge:
             self.load_hf(models, self.hf_path)
         return models
 
+    def build_meta(self) -> list[torch.nn.Module]:
+        """This rank's model chunks on the meta device: names, shapes, dtypes and megatron's
+        sharded-tensor metadata, no parameter memory (a few small buffers stay on the CPU)."""
+        from skyrl_mega.megatron.model import instantiate_chunks
+
+        with torch.device("meta"):
+            return instantiate_chunks(self.impl._model_provider([]), self.config, wrap_with_ddp=False)
+
+    def hf_sources(self, model: torch.nn.Module) -> dict[str, tuple[str, list[str]]]:
+        """A chunk's state dict entries (no _extra_state) -> (megatron global name, the HF names
+        it is made of), by mbridge's mapping (EP: global expert numbers)."""
+        impl = self.impl
+        return {local: (name, impl._weight_name_mapping_mcore_to_hf(name))
+                for local, name in impl._weight_name_mapping_mcore_local_to_global(model).items()
+                if "_extra_state" not in local}
+
+    def local_from_hf(self, local: str, name: str, hf_tensors: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """One entry's tensor on this rank (its TP / expert-TP slice) from its whole HF tensors, as
+        mbridge's load_weights makes it, without the scatter: every rank cuts its own slice.
+        `local` / `name`: the entry's local and global names; `like`: the entry (shape, dtype)."""
+        impl, mpu = self.impl, self.impl.mpu
+        whole = impl._weight_to_mcore_format(local, hf_tensors)
+        expert = ".mlp.experts.linear_fc" in name
+        size, rank = (mpu.etp_size, mpu.etp_rank) if expert else (mpu.tp_size, mpu.tp_rank)
+        out = list(impl._weight_split_across_tp(local, whole, like, size))[rank]
+        out = out.to(dtype=like.dtype).contiguous()
+        if out.untyped_storage().nbytes() != out.nbytes:  # a slice: its own copy, so `whole` is freed
+            out = out.clone()
+        if out.shape != like.shape:
+            raise ValueError(f"{local}: HF tensors {[tuple(t.shape) for t in hf_tensors]} make {tuple(out.shape)} "
+                             f"on this rank, the model holds {tuple(like.shape)}")
+        return out
+
+    def hf_from_whole(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of one whole (unsharded) megatron tensor, by its global name."""
+        names, tensors = self.impl._weight_to_hf_format(name, tensor)
+        return list(zip(names, tensors))
+
     def load_hf(self, models: list[torch.nn.Module], path: str) -> None:
         self.impl.load_weights(models, path)
 

@@ -133,7 +133,8 @@ def cmd_convert(args) -> int:
     if not hf_dir:
         raise SystemExit("skyrl-mega convert mcore-to-hf needs --hf <HF dir of the same architecture>")
     check_convert(args.direction, args.src, hf_dir, args.overrides, args.nproc)
-    argv = [args.direction, args.src, args.dst, *args.overrides] + (["--hf", args.hf] if args.hf else [])
+    argv = [args.direction, args.src, args.dst, *args.overrides, "--shard-size", args.shard_size] + (
+        ["--hf", args.hf] if args.hf else [])
     try:
         run_torchrun("skyrl_mega.checkpoint.convert", args.nproc, argv, timeout=args.timeout, stream=True)
     finally:
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf", help="mcore-to-hf: the HF dir of the same architecture (config, tokenizer)")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--shard-size", default="1GiB",
+                   help="most bytes of one output file (HF shard / a rank's dist-ckpt file); about a rank's peak memory")
     p.add_argument("overrides", nargs="*", help="e.g. parallel.ep=2 model.dtype=bfloat16")
     p.set_defaults(fn=cmd_convert)
 

@@ -68,7 +68,7 @@ def _crc32(path: str) -> int:
     return crc
 
 
-_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
+_SHARD = re.compile(r"^__(\d+)_\d+(?:_\d+)?\.distcp$")  # megatron's; convert's streaming writer
 _RNG = re.compile(r"^rng/rank_(\d+)\.safetensors$")
 
 

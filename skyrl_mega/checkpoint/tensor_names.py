@@ -27,24 +27,17 @@ SHOWN = 5
 def hf_weight_names(bridge, models) -> set[str]:
     """The HF tensor names that loading HF weights reads for this rank's chunks (mbridge's
     own mcore -> HF name mapping, as its load_weights uses it)."""
-    impl, names = bridge.impl, set()
+    names = set()
     for model in models:
-        for local, name in impl._weight_name_mapping_mcore_local_to_global(model).items():
-            if "_extra_state" not in local:
-                names.update(impl._weight_name_mapping_mcore_to_hf(name))
+        for _, hf_names in bridge.hf_sources(model).values():
+            names.update(hf_names)
     return names
 
 
 def hf_file_tensor_names(hf_dir: str) -> set[str]:
-    from safetensors import safe_open
+    from .hf_reader import tensor_files
 
-    from .preflight import safetensors_files
-
-    names = set()
-    for path in safetensors_files(hf_dir):
-        with safe_open(path, framework="pt") as f:
-            names.update(f.keys())
-    return names
+    return set(tensor_files(hf_dir))
 
 
 def requested_keys(sharded_state: dict) -> set[str]:
