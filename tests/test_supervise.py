@@ -31,10 +31,11 @@ def test_a_killed_server_takes_its_children_along(tmp_path):
     server = f"sleep 300 & echo $$ $! > {pids}.tmp && mv {pids}.tmp {pids}; wait"
     code = ("import sys; from skyrl_mega.rollout.supervise import run_supervised; "
             f"sys.exit(run_supervised(['bash', '-c', {server!r}], dict(__import__('os').environ), name='test server'))")
-    sup = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    err = open(tmp_path / "stderr", "w")  # a file: a surviving child would hold a pipe open
+    sup = subprocess.Popen([sys.executable, "-c", code], stderr=err)
     assert _wait_for(pids.exists), "the server did not start"
     server_pid, child_pid = map(int, pids.read_text().split())
     os.kill(server_pid, signal.SIGKILL)
     assert sup.wait(timeout=20) == 128 + signal.SIGKILL
-    assert "the test server ended (killed by signal 9); its remaining processes were stopped" in sup.stderr.read()
+    assert "the test server ended (killed by signal 9); its remaining processes were stopped" in (tmp_path / "stderr").read_text()
     assert _wait_for(lambda: not _alive(child_pid)), "the server's child outlived it"
