@@ -171,6 +171,7 @@ stop() {
     ip link del "skyrl-v${n#skyrl-n}" 2>/dev/null || true
   done
   ip link del "$BRIDGE" 2>/dev/null || true
+  rmdir /etc/netns 2>/dev/null || true  # when nothing else uses it
   for p in slurmctld "slurmd-${NODES[0]}" "slurmd-${NODES[1]}"; do
     for _ in $(seq 20); do alive "$DIR/$p.pid" || break; sleep 0.25; done
   done
