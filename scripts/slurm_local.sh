@@ -71,8 +71,6 @@ stop() {
   for p in slurmd slurmctld; do
     [ -f "$DIR/$p.pid" ] && kill "$(cat "$DIR/$p.pid")" 2>/dev/null || true
   done
-  pkill -x slurmd 2>/dev/null || true
-  pkill -x slurmctld 2>/dev/null || true
 }
 
 case "$cmd" in

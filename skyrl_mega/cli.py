@@ -145,8 +145,8 @@ def cmd_convert(args) -> int:
 def cmd_serve(args) -> int:
     """One vLLM engine started as the recipe's trainer would start its own (for job scripts that
     put engines on other nodes): the same flags (weight-transfer backend, routed experts, the
-    recipe's engine settings, the job secret's middleware beyond loopback), then vLLM replaces
-    this process. --dry-run prints the command line (as JSON) instead."""
+    recipe's engine settings, the job secret's middleware beyond loopback); vLLM runs supervised
+    (rollout/supervise.py: when it ends, its EngineCore and workers go too). --dry-run prints the command line (as JSON) instead."""
     import json
 
     from skyrl_mega.controller.engines import server_config
@@ -160,8 +160,10 @@ def cmd_serve(args) -> int:
     if args.dry_run:
         print(json.dumps(argv))
         return 0
+    from skyrl_mega.rollout.supervise import run_supervised
+
     sys.stdout.flush()
-    os.execvpe(argv[0], argv, server.env(None, args.gpus))
+    return run_supervised(argv, server.env(None, args.gpus), name=f"vLLM server on port {args.port}")
 
 
 def main(argv: list[str] | None = None) -> int:

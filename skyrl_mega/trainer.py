@@ -101,6 +101,9 @@ def start_controller(cfg, policy, state: dict, start: int):
     log0(f"starting engines (placement={cfg.placement}, transport={ctrl.engines.plan.transport})")
     try:
         ctrl.engines.start()
+        t = ctrl.engines.transport
+        log0(f"engines at {', '.join(ctrl.engines.servers.urls)}; weights from "
+             f"{getattr(t, 'master_address', 'this host')} ({type(t).__name__})")
         return ctrl, MetricsLogger(cfg, cfg.train.steps, start)
     except BaseException:
         ctrl.engines.stop()
