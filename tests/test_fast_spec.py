@@ -16,7 +16,7 @@ import torch
 
 from skyrl_mega.launcher import run_torchrun
 from skyrl_mega.megatron import specs
-from skyrl_mega.megatron.kernels.grouped_mm import grouped_linear, grouped_mm_runs
+from skyrl_mega.megatron.kernels.grouped_mm import expert_linear, grouped_linear, grouped_mm_runs
 
 from .conftest import REPO
 
@@ -61,6 +61,58 @@ def test_grouped_linear_equals_per_group_matmuls_forward_and_backward():
     ref.backward(dy.double())
     assert (y.double() - ref).abs().max() < 1e-5
     assert (x.grad.double() - x64.grad).abs().max() < 1e-5 and (w.grad.double() - w64.grad).abs().max() < 1e-5
+
+
+def _per_expert_reference(x, weights, sizes, dy):
+    """float64: one matmul per expert; returns y, dx, [dW_e]."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = [w.detach().double().requires_grad_() for w in weights]
+    parts, start = [], 0
+    for e, n in enumerate(sizes):
+        parts.append(x64[start:start + n] @ w64[e].T)
+        start += n
+    ref = torch.cat(parts)
+    ref.backward(dy.double())
+    return ref, x64.grad, [w.grad for w in w64]
+
+
+@pytest.mark.parametrize("layout", ["no_main_grad", "ascending", "descending", "uneven"])
+def test_expert_linear_adds_weight_gradients_into_megatron_main_grads(layout):
+    """expert_linear vs float64 per-expert matmuls, twice (two micro-batches accumulate): without
+    main_grad the gradients land in .grad; with megatron's buffer slices (back to back in either
+    order, or unevenly spaced) they are added into main_grad and .grad is a placeholder."""
+    g = torch.Generator().manual_seed(0)
+    sizes, n, k = [5, 0, 11, 3], 8, 16
+    weights = [torch.randn(n, k, generator=g).requires_grad_() for _ in sizes]
+    if layout != "no_main_grad":
+        gap = {"ascending": 0, "descending": 0, "uneven": 7}[layout]
+        buf = torch.zeros(len(sizes) * (n * k + gap) + gap * len(sizes))
+        order = list(range(len(sizes)))[::-1] if layout == "descending" else range(len(sizes))
+        at = 0
+        for i in order:
+            weights[i].main_grad = buf[at: at + n * k].view(n, k)
+            weights[i].grad_added_to_main_grad = False
+            at += n * k + gap * (i + 1)  # uneven: a different gap after each slice
+    total = [torch.zeros(n, k, dtype=torch.float64) for _ in sizes]
+    for _ in range(2):
+        x = torch.randn(sum(sizes), k, generator=g).requires_grad_()
+        y = expert_linear(x, weights, torch.tensor(sizes).cumsum(0).int())
+        dy = torch.randn(y.shape, generator=g)
+        y.backward(dy)
+        ref, dx, dws = _per_expert_reference(x, weights, sizes, dy)
+        assert (y.double() - ref).abs().max() < 1e-5 and (x.grad.double() - dx).abs().max() < 1e-5
+        total = [t + d for t, d in zip(total, dws)]
+        if layout == "no_main_grad":
+            for w, d in zip(weights, dws):
+                assert (w.grad.double() - d).abs().max() < 1e-5
+                w.grad = None
+        else:  # megatron's hook drops .grad once the gradient is in main_grad
+            assert all(w.grad_added_to_main_grad for w in weights)
+            for w in weights:
+                w.grad = None
+    if layout != "no_main_grad":
+        for w, t in zip(weights, total):
+            assert (w.main_grad.double() - t).abs().max() < 1e-5
 
 
 def test_grouped_gemm_is_not_used_where_torch_cannot_run_it():

@@ -140,6 +140,30 @@ def test_replay_router_falls_back_to_live_routing_per_token(router):
         router.get_replay_topk(scores, K, None, None, _default_topk)
 
 
+def test_replay_router_skips_live_routing_for_complete_targets(router):
+    """Targets marked complete (R3Replay.set_microbatch checked them once for -1 rows) replay
+    as they are, forward and recompute, without running the live top-k; others still do."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    calls = []
+
+    def counting_topk(scores, topk, num_groups=None, group_topk=None):
+        calls.append(1)
+        return _default_topk(scores, topk)
+
+    scores = torch.randn(3, E)
+    target = torch.tensor([[0, 1], [5, 3], [2, 7]])
+    router.set_target_indices(target, complete=True)
+    router.set_target_indices(torch.tensor([[0, 1], [-1, -1], [2, 7]]))
+    for action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+        router.set_router_replay_action(action)
+        probs, idx = router.get_replay_topk(scores, K, None, None, counting_topk)
+        if action == RouterReplayAction.REPLAY_FORWARD:  # the latest targets: incomplete
+            assert len(calls) == 1 and torch.equal(idx[1], scores.topk(K, 1).indices[1])
+        else:  # recompute pops the first (complete) targets
+            assert len(calls) == 1 and torch.equal(idx, target) and torch.equal(probs, scores.gather(1, target))
+
+
 def test_replay_router_rejects_a_token_count_mismatch(router):
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 

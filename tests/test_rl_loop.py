@@ -68,6 +68,13 @@ def _kill_server_after_step_2(out, proc) -> str:
     return log
 
 
+def _why(log_path) -> str:
+    """A failed run's story: the project's own log lines (which attempt failed how), then the tail."""
+    text = open(log_path).read()
+    ours = [line for line in text.splitlines() if "[skyrl-mega]" in line]
+    return "\n".join(ours[-40:]) + "\n--- log tail ---\n" + text[-3000:]
+
+
 def _assert_same_run(got, reference, steps):
     assert [r["step"] for r in got] == list(range(steps))
     for a, b in zip(got, reference[:steps]):
@@ -173,7 +180,7 @@ def test_vllm_server_killed_mid_run_is_restarted_and_run_completes(short, tiny_q
     out = root / "server_killed"
     proc = _start(_args(tiny_qwen3_moe, out, **{"train.steps": 6}), root / "sk.log")
     _kill_server_after_step_2(out, proc)
-    assert proc.wait(timeout=600) == 0, open(root / "sk.log").read()[-3000:]
+    assert proc.wait(timeout=600) == 0, _why(root / "sk.log")
     text = open(root / "sk.log").read()
     # the kill lands in a rollout or in a weight sync; either is retried on the restarted server
     assert ("rollout failed" in text or "weight sync" in text) and "restarted servers [0]" in text
@@ -227,7 +234,7 @@ def test_bucketed_broadcast_transport_rejoins_a_restarted_server(short, tiny_qwe
                   root / "bk.log")
     log = _kill_server_after_step_2(out, proc)
     assert "skyrl_bucket: joined the transfer group" in log
-    assert proc.wait(timeout=600) == 0, open(root / "bk.log").read()[-3000:]
+    assert proc.wait(timeout=600) == 0, _why(root / "bk.log")
     text = open(root / "bk.log").read()
     try:
         assert "restarted servers [0]" in text and "transport=nccl" in text

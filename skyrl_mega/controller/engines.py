@@ -86,10 +86,11 @@ class RolloutEngines:
         return self.router.url if self.router is not None else self.servers.urls[0]
 
     def restart_dead(self) -> list[int]:
-        """Restarts crashed servers (they come back with the checkpoint's weights: re-sync!).
+        """After a failed rollout or sync: restarts servers that are gone, dying or hung
+        (ServerManager.settle; they come back with the checkpoint's weights: re-sync!).
         A bucketed transport then forms its transfer group anew at the next sync (the
         restarted servers join it; the others leave the old one)."""
-        restarted = self.servers.check()
+        restarted = self.servers.settle()
         if restarted and self.router is not None:
             self.router.stop()
             self.router = RouterProcess(self.servers.urls, log_dir=self.log_dir).start()

@@ -8,9 +8,10 @@ Out: the experts' outputs for those tokens ([T, hidden]) and no bias, as Sequent
 state dict, dist-checkpoint layout, bridge names and weight-sync export) whose forward stacks the
 experts' weights and runs each linear as one grouped GEMM (kernels/grouped_mm.py) instead of one
 matmul per expert: fc1, the activation (gated or not, megatron's clamp and linear offset), the
-routing prob, fc2. The experts' linears need no communication of their own (megatron's dispatcher
+routing prob, fc2 (`expert_linear`: the weight gradient is one grouped GEMM added straight into
+megatron's gradient buffer). The experts' linears need no communication of their own (megatron's dispatcher
 does the expert-parallel and expert-tensor-parallel exchange), so the math is per rank and equals
-SequentialMLP's; autograd takes the gradients back through the stack to every expert's weight.
+SequentialMLP's; the weight gradients reach every expert's gradient buffer slice.
 It keeps SequentialMLP's own forward where that does something this one does not (fp8 / fp4,
 expert biases, TE activations, delayed weight gradients) or where torch's grouped GEMM does not
 run (dtype, device, alignment).
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from .kernels.grouped_mm import grouped_linear, grouped_mm_runs
+from .kernels.grouped_mm import expert_linear, grouped_mm_runs
 
 
 class GroupedGemmExperts(SequentialMLP):
@@ -56,6 +57,6 @@ class GroupedGemmExperts(SequentialMLP):
             hidden = (probs.unsqueeze(-1) * hidden).to(dtype)
             probs = torch.ones_like(probs)
         offs = torch.as_tensor(tokens_per_expert, device=hidden.device).cumsum(0).to(torch.int32)
-        inter = grouped_linear(hidden, torch.stack(w1), offs)
+        inter = expert_linear(hidden, w1, offs)
         inter = (self._activation(inter) * probs.unsqueeze(-1)).to(dtype)
-        return grouped_linear(inter, torch.stack(w2), offs), None
+        return expert_linear(inter, w2, offs), None

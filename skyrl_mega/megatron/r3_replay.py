@@ -168,11 +168,17 @@ class R3RouterReplay:
         self.recorded_topk_idx = None
         self.router_replay_action = None
         self.replay_backward_list: list = []
+        self.target_complete = False  # no -1 row in target_topk_idx: no live top-k needed
+        self._complete_backward: list[bool] = []
         self.capture: list | None = None
 
-    def set_target_indices(self, topk_indices: Tensor) -> None:
+    def set_target_indices(self, topk_indices: Tensor, complete: bool = False) -> None:
+        """`complete`: the caller checked that no row is -1 (missing), so the replay skips the
+        live top-k that would fill such rows."""
         self.target_topk_idx = topk_indices
+        self.target_complete = complete
         self.replay_backward_list.append(topk_indices)
+        self._complete_backward.append(complete)
 
     def get_recorded_indices(self) -> Tensor | None:
         return self.recorded_topk_idx
@@ -181,6 +187,7 @@ class R3RouterReplay:
         self.recorded_topk_idx = None
         self.target_topk_idx = None
         self.replay_backward_list = []
+        self._complete_backward = []
 
     def set_router_replay_action(self, action) -> None:
         self.router_replay_action = action
@@ -193,11 +200,12 @@ class R3RouterReplay:
         action = self.router_replay_action
         if action in (actions.REPLAY_FORWARD, actions.REPLAY_BACKWARD):
             if action == actions.REPLAY_FORWARD:
-                target = self.target_topk_idx
+                target, complete = self.target_topk_idx, self.target_complete
             else:
                 if not self.replay_backward_list:
                     raise RuntimeError(f"R3: layer {self.layer}: recompute found no routes to replay")
                 target = self.replay_backward_list.pop(0)
+                complete = self._complete_backward.pop(0) if self._complete_backward else False
             if target is None:
                 raise RuntimeError(f"R3: layer {self.layer}: replay is on but no routes were set")
             target = target.to(device=scores.device, dtype=torch.long)
@@ -206,9 +214,12 @@ class R3RouterReplay:
                     f"R3: layer {self.layer}: the router sees {scores.shape[0]} tokens x top-{topk} but "
                     f"the replayed routes are {tuple(target.shape)} (packing / SP / CP split mismatch)"
                 )
-            _, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-            missing = (target < 0).any(-1, keepdim=True)
-            top_indices = torch.where(missing, live, target)
+            if complete:
+                top_indices = target
+            else:
+                _, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                missing = (target < 0).any(-1, keepdim=True)
+                top_indices = torch.where(missing, live, target)
             out = (scores.gather(1, top_indices), top_indices)
         else:
             out = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
@@ -243,6 +254,8 @@ class R3Replay:
         self.columns = [self.moe_layers.index(r.layer) for r in routers]
         self.active = False
         self._hooks = [m.register_forward_hook(self._wrap_output) for m in models]
+        params = (p for m in models for p in m.parameters())
+        self.device = next(params, torch.empty(0)).device  # where the routers run
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -301,8 +314,13 @@ class R3Replay:
             raise RuntimeError("R3: set_microbatch outside R3Replay.session()")
         if routes.dim() != 3 or routes.shape[1] != len(self.moe_layers):
             raise R3Error(f"R3: micro-batch routes {tuple(routes.shape)} need {len(self.moe_layers)} MoE layer columns")
+        # once per micro-batch, not per layer: the missing-row check on the host (a complete
+        # micro-batch skips every layer's live top-k) and one copy to the routers' device, laid
+        # out [layer, token, k] so that each layer's targets are a contiguous slice
+        complete = not bool((routes < 0).any())
+        by_layer = routes.to(self.device, dtype=torch.long).permute(1, 0, 2).contiguous()
         for r, col in zip(self.routers, self.columns):
-            r.set_target_indices(routes[:, col, :].contiguous())
+            r.set_target_indices(by_layer[col], complete=complete)
         self._set_action("REPLAY_FORWARD")
 
     @contextlib.contextmanager

@@ -410,6 +410,27 @@ class ServerManager:
                     self.on_restart(s.index, s.url)
         return restarted
 
+    def settle(self, timeout_s: float = 60.0) -> list[int]:
+        """After a call to the servers failed: restarts what is gone, dying or hung; returns the
+        restarted indices. A killed server stops answering before its process has exited (a
+        large process takes a while to tear down on a loaded machine), so check() alone can
+        miss it: a managed server that does not answer /health is waited for until it answers
+        again or exits, for at most timeout_s; one still silent then is killed. Then check()."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            for s in self.servers:
+                if s.child is None or s.crashed():
+                    continue
+                while not s.healthy(timeout_s=2.0) and not s.crashed():
+                    if time.monotonic() > deadline:
+                        self._event(f"server {s.index} ({s.url}) did not answer /health for {timeout_s:.0f}s; "
+                                    "killing it")
+                        s.child.kill_group(signal.SIGKILL)
+                        s.child.proc.wait(timeout=30.0)
+                        break
+                    time.sleep(0.1)  # polling the server's state, not waiting out a guess
+            return self.check()
+
     def _watch_loop(self) -> None:
         while not self._stop_event.wait(self.watch_interval_s):
             try:

@@ -4,11 +4,16 @@ python fake_engine.py PORT [--grandchild]: serves GET /health, GET /version and 
 (as vLLM 0.30 would, listing its own paths) and POST /inference/v1/generate (a deterministic
 answer in vLLM's format) on 127.0.0.1:PORT; with --grandchild it first
 starts a `sleep` child, like vLLM's EngineCore/Worker, to check that the whole process
-group is stopped. Writes its pid and the grandchild's pid to stdout.
+group is stopped. Writes its pid and the grandchild's pid to stdout. With --die-slowly S, a
+SIGUSR1 makes it stop answering /health (503) and exit S seconds later: a server that is
+dying but not yet gone, as a killed vLLM server is on a loaded machine.
 """
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 
 from aiohttp import web
 
@@ -18,8 +23,19 @@ from skyrl_mega.rollout.r3_wire import encode_vllm  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+DYING = threading.Event()
+
+
 async def health(request):
-    return web.Response(text="")
+    return web.Response(status=503 if DYING.is_set() else 200, text="")
+
+
+def die_slowly(seconds: float) -> None:
+    def start_dying(*_):
+        DYING.set()
+        threading.Timer(seconds, lambda: os._exit(1)).start()
+
+    signal.signal(signal.SIGUSR1, start_dying)
 
 
 async def version(request):
@@ -53,6 +69,8 @@ def main():
     if "--grandchild" in sys.argv:
         gc = subprocess.Popen(["sleep", "1000"])
         print(f"grandchild {gc.pid}", flush=True)
+    if "--die-slowly" in sys.argv:
+        die_slowly(float(sys.argv[sys.argv.index("--die-slowly") + 1]))
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)

@@ -113,6 +113,40 @@ def test_manager_starts_restarts_and_leaves_no_orphans(tmp_path):
     assert any("restarting" in e for e in sm.events)
 
 
+class DyingConfig(ServerConfig):
+    """The fake engine, which on SIGUSR1 stops answering /health and exits `linger` s later."""
+
+    linger = 3.0
+
+    def argv(self, port, engine_flags=()):
+        return [sys.executable, FAKE, str(port), "--die-slowly", str(self.linger)]
+
+
+def _start_dying(sm):
+    s0 = sm.servers[0]
+    os.kill(s0.child.pid, signal.SIGUSR1)
+    deadline = time.time() + 30
+    while http_status(s0.url + "/health") == 200 and time.time() < deadline:
+        time.sleep(0.02)
+    return s0, s0.child.pid
+
+
+@pytest.mark.parametrize("linger, settle_s", [(3.0, 30.0), (1000.0, 2.0)])
+def test_settle_restarts_a_server_that_is_dying_or_hung(tmp_path, linger, settle_s):
+    """A call that failed because a server went away is followed by settle(): a server that no
+    longer answers but whose process has not exited yet (dying) is waited for and restarted, one
+    that does not answer for settle_s (hung) is killed and restarted. check() alone sees neither."""
+    cfg = DyingConfig(model="fake")
+    cfg.linger = linger
+    with ServerManager(cfg, num_servers=2, log_dir=str(tmp_path), startup_timeout_s=30, watch=False) as sm:
+        s0, old_pid = _start_dying(sm)
+        assert sm.check() == []  # still running: nothing to restart yet
+        assert sm.settle(settle_s) == [0], sm.events
+        assert s0.child.pid != old_pid and not pid_alive(old_pid)
+        assert all(http_status(u + "/health") == 200 for u in sm.urls)
+        assert sm.settle(settle_s) == []  # every server answers: nothing to do
+
+
 def test_manager_gives_up_after_max_restarts(tmp_path):
     sm = ServerManager(FakeConfig(model="fake"), log_dir=str(tmp_path), watch=False, max_restarts=1)
     with sm:

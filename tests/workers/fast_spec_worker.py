@@ -74,7 +74,7 @@ def main():
     from megatron.core import parallel_state as mpu
 
     calls, varlen_calls = [0], [0]
-    experts_module.grouped_linear = counting(experts_module.grouped_linear, calls)
+    experts_module.expert_linear = counting(experts_module.expert_linear, calls)
     attention_module.varlen_causal_attention = counting(attention_module.varlen_causal_attention, varlen_calls)
 
     results, report = {}, {}
