@@ -64,6 +64,25 @@ def is_loopback(host: str) -> bool:
             return False
 
 
+def is_this_host(host: str) -> bool:
+    """True when `host` names this machine: loopback, or an address of one of its interfaces."""
+    if is_loopback(host):
+        return True
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        return False
+    import psutil
+
+    return any(a.address == ip for addrs in psutil.net_if_addrs().values() for a in addrs)
+
+
+def remote_hosts(urls) -> list[str]:
+    """The hosts of `urls` that are not this machine, in order, once each."""
+    hosts = [urlsplit(u).hostname or "" for u in urls]
+    return list(dict.fromkeys(h for h in hosts if not is_this_host(h)))
+
+
 def address_reaching(urls) -> str:
     """This host's IPv4 address that the hosts of `urls` can connect back to: 127.0.0.1 when
     every one of them is this host's loopback, else the source address the OS routes to the

@@ -8,8 +8,49 @@ import pytest
 from skyrl_mega.controller.placement import plan_placement
 
 
-def _rollout(transport="auto", sleep_level=1):
-    return SimpleNamespace(weight_transport=transport, sleep_level=sleep_level)
+def _rollout(transport="auto", sleep_level=1, urls=()):
+    return SimpleNamespace(weight_transport=transport, sleep_level=sleep_level, external_urls=list(urls))
+
+
+OTHER_HOST = "http://192.0.2.7:8000"  # TEST-NET-1: never an address of this machine
+
+
+def _own_address():
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" and not a.address.startswith("127."):
+                return a.address
+    pytest.skip("this machine has no non-loopback IPv4 address")
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_engines_on_another_host_get_the_transport_that_crosses_hosts(cuda):
+    """auto picks nccl (gloo on CPU) when an external engine is on another machine; shm and
+    cuda_ipc, which hand weights over on this host only, are refused with the reason. Engines on
+    this machine, by loopback or by one of its own addresses, keep the table's transport."""
+    assert plan_placement("disaggregated", _rollout(urls=["http://127.0.0.1:8000", OTHER_HOST]), cuda=cuda).transport \
+        == "nccl"
+    for want in ("shm", "cuda_ipc"):
+        if cuda and want == "shm":
+            continue
+        with pytest.raises(ValueError, match=f"weight_transport={want} hands weights over on this host only.*"
+                                             "192.0.2.7.*use rollout.weight_transport=nccl"):
+            plan_placement("disaggregated", _rollout(want, urls=[OTHER_HOST]), cuda=cuda)
+    own = f"http://{_own_address()}:8000"
+    assert plan_placement("colocated", _rollout(urls=[own, "http://localhost:9"]), cuda=cuda).transport == \
+        ("cuda_ipc" if cuda else "shm")
+
+
+def test_validate_names_a_transport_that_cannot_reach_other_hosts():
+    from skyrl_mega.config import load_config
+    from skyrl_mega.config.field_checks import rollout_problems
+
+    cfg = load_config(None, ["model.path=/nonexistent", f"rollout.external_urls=[{OTHER_HOST}]",
+                             "rollout.weight_transport=shm", "placement=disaggregated"])
+    problems = rollout_problems(cfg, probe=False)
+    assert any("weight_transport=shm hands weights over on this host only" in p for p in problems), problems
 
 
 @pytest.mark.parametrize("placement, cuda, want, transport, sleep", [

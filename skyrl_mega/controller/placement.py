@@ -9,7 +9,10 @@ Out: a PlacementPlan. Nothing else in the loop branches on placement.
 | disaggregated | GPU    | nccl                   | keep running            |
 | either        | CPU    | shm (safetensors)      | keep running (no-op)    |
 
-`rollout.weight_transport` overrides the transport column (auto = the table). The bucketed
+`rollout.weight_transport` overrides the transport column (auto = the table). Engines on other
+hosts (rollout.external_urls naming another machine) can only be reached by nccl (gloo on CPU):
+auto picks it there, and shm / cuda_ipc (files in this host's /dev/shm, CUDA IPC handles) are
+refused with the one-line reason. The bucketed
 transports (nccl, cuda_ipc) need the engines to run vLLM's weight-transfer backend
 "skyrl_bucket": `server_args()` gives the vLLM flag. On CPU, nccl runs its protocol over gloo
 and cuda_ipc over /dev/shm files.
@@ -63,6 +66,15 @@ def plan_placement(placement: str, rollout_cfg, cuda: bool | None = None) -> Pla
     want = getattr(rollout_cfg, "weight_transport", "auto") or "auto"
     if want != "auto" and want not in TRANSPORTS:
         raise ValueError(f"rollout.weight_transport must be auto or one of {sorted(TRANSPORTS)}, got {want!r}")
+    from ..ports import remote_hosts
+
+    remote = remote_hosts(list(getattr(rollout_cfg, "external_urls", None) or []))
+    if remote and want in ("shm", "cuda_ipc"):
+        raise ValueError(f"rollout.weight_transport={want} hands weights over on this host only (files in "
+                         f"/dev/shm, CUDA IPC handles), but rollout.external_urls names engines on {remote[0]}: "
+                         "use rollout.weight_transport=nccl (or auto)")
+    if remote and want == "auto":
+        want = "nccl"  # the only transport that crosses hosts
     if not cuda:
         return PlacementPlan(placement, "cpu", "shm" if want == "auto" else want, None)
     if want == "shm":
