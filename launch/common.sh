@@ -22,6 +22,53 @@ stop_steps() {  # every step still running is stopped (srun forwards the signal 
 trap stop_steps EXIT
 trap 'echo "[skyrl-mega] job ${SLURM_JOB_ID:-} interrupted: stopping every step" >&2; exit 130' INT TERM
 
+node_addr() {  # a node's address from SLURM (NodeAddr), else its name
+  local a; a=$(scontrol show node "$1" -o | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p'); echo "${a:-$1}"
+}
+
+URLS=() ENGINE_LIST=() ENGINE_STEPS=()
+start_engines() {  # PLACEMENT NODE...: one `skyrl-mega serve` step per node on ${ENGINE_PORT:-8000}
+  # with the recipe's engine settings, the weight-transfer backend and the job secret (engines
+  # bound beyond loopback refuse control / weight-transfer calls without it); fills URLS
+  local placement=$1 node; shift
+  export SKYRL_ENGINE_SECRET=${SKYRL_ENGINE_SECRET:-$("$VENV/bin/python" -c "import secrets; print(secrets.token_hex(16))")}
+  for node in "$@"; do
+    srun --overlap --nodes=1 --ntasks=1 -w "$node" \
+      "$VENV/bin/python" -m skyrl_mega.cli serve --recipe "$RECIPE" --host 0.0.0.0 --port "${ENGINE_PORT:-8000}" \
+      --placement "$placement" "${ARGS[@]}" > "$LOG_DIR/engine-$node.log" 2>&1 &
+    STEPS+=($!) ENGINE_STEPS+=($!)
+    URLS+=("http://$(node_addr "$node"):${ENGINE_PORT:-8000}") ENGINE_LIST+=("$node")
+  done
+  EXTERNAL="[$(IFS=,; echo "${URLS[*]}")]"
+}
+
+dead_engines() {  # engines whose step ended or whose /health does not answer: "node (url)" each
+  local i
+  for i in "${!URLS[@]}"; do
+    if ! kill -0 "${ENGINE_STEPS[$i]}" 2>/dev/null || ! "$VENV/bin/python" -c \
+        "import sys; from skyrl_mega.rollout.procs import http_status; sys.exit(http_status(sys.argv[1], 5) != 200)" \
+        "${URLS[$i]}/health"; then
+      echo -n "${ENGINE_LIST[$i]} (${URLS[$i]}) "
+    fi
+  done
+}
+
+wait_job() {  # TRAINER_PID: the first step to end decides; sets status (the trainer's exit code,
+  # or 1+ when an engine step ended first: the job stops) and says which part failed
+  local trainer=$1 first code=0 dead
+  wait -n -p first "${STEPS[@]}" || code=$?  # bash >= 5.1
+  if [ "$first" = "$trainer" ]; then
+    status=$code
+    dead=$([ "$status" = 0 ] || dead_engines || true)
+    [ -z "$dead" ] || echo "[skyrl-mega] job $SLURM_JOB_ID: the trainer failed (exit $status) and an engine step ended:" \
+      "${dead}(engine logs: $LOG_DIR/engine-*.log)" >&2
+  else
+    echo "[skyrl-mega] job $SLURM_JOB_ID: an engine step ended (exit $code) while the trainer ran; stopping" \
+         "every step (engine logs: $LOG_DIR/engine-*.log)" >&2
+    status=$(( code == 0 ? 1 : code ))
+  fi
+}
+
 show_logs() {  # the end of each per-node trainer log, into the job's own output
   local f
   for f in "$LOG_DIR"/trainer-*.log; do

@@ -2,8 +2,9 @@
 network namespace and address; .ci/run starts it and exports SLURM_TWO_NODE_CONF).
 
 Disaggregated: trainer on skyrl-n1 (10.213.0.11), `skyrl-mega serve` on skyrl-n2 (10.213.0.12),
-weights through the bucketed transport (its gloo protocol) between the two addresses.
-Colocated: one trainer rank per node (rendezvous from the node list), the engine on the head.
+weights through the bucketed transport (its gloo protocol) between the two addresses, which the
+trainer picks itself (rollout.weight_transport=auto: the engine is on another host).
+Colocated: one trainer rank and one engine per node (rendezvous from the node list).
 Killing the engine ends the job with a message, a failing exit code and nothing left running.
 Skipped when the two-node cluster does not answer.
 """
@@ -114,8 +115,7 @@ def _assert_run(tmp_path, steps: int) -> None:
 
 @skip_unless_up
 def test_disaggregated_trainer_and_engine_on_two_nodes(tiny_qwen3_moe, tmp_path):
-    job = _submit("slurm_disaggregated.sbatch", tmp_path,
-                  _overrides(tiny_qwen3_moe, tmp_path, 3) + ["rollout.weight_transport=nccl"])
+    job = _submit("slurm_disaggregated.sbatch", tmp_path, _overrides(tiny_qwen3_moe, tmp_path, 3))
     state, code = _wait_job(job, tmp_path)
     text = _log(tmp_path)
     assert (state, code) == ("COMPLETED", 0), text[-3000:]
@@ -136,8 +136,13 @@ def test_colocated_trainer_ranks_on_both_nodes(tiny_qwen3_moe, tmp_path):
     text = _log(tmp_path)
     assert (state, code) == ("COMPLETED", 0), text[-3000:]
     assert "mean reward: first" in text, text[-3000:]
-    for node in NODES:  # one trainer rank on each node
+    for node in NODES:  # one trainer rank and one engine on each node
         assert (tmp_path / "logs" / f"trainer-{node}.log").exists(), os.listdir(tmp_path / "logs")
+        assert (tmp_path / "logs" / f"engine-{node}.log").exists(), os.listdir(tmp_path / "logs")
+    head_log = (tmp_path / "logs" / "trainer-skyrl-n1.log").read_text()
+    # both engines in the run, weights to both by the transport that crosses hosts
+    assert "(NcclBroadcastTransport)" in head_log and all(f"http://{a}:8000" in head_log for a in ADDR.values()), \
+        head_log[-3000:]
     _assert_run(tmp_path, 2)
     _assert_nothing_left()
 
