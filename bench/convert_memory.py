@@ -105,8 +105,9 @@ def convert(*args, repo: str = REPO, cap: "MemoryCgroup | None" = None) -> tuple
     return took, peaks, None
 
 
-def same_tensors(a_dir: str, b_dir: str) -> bool:
-    """Every tensor of the HF checkpoint in a_dir equal, bit for bit, to b_dir's (one at a time)."""
+def round_trip_difference(a_dir: str, b_dir: str) -> str | None:
+    """None when every tensor of the HF checkpoint in a_dir equals b_dir's bit for bit (read one
+    at a time), else what differs."""
     import glob
 
     import torch
@@ -121,13 +122,16 @@ def same_tensors(a_dir: str, b_dir: str) -> bool:
 
     ia, ib = index(a_dir), index(b_dir)
     if set(ia) != set(ib):
-        return False
+        return f"names differ: only in {a_dir}: {sorted(set(ia) - set(ib))[:3]}, only in {b_dir}: " \
+               f"{sorted(set(ib) - set(ia))[:3]}"
     for k in ia:
         with safe_open(ia[k], "pt") as ha, safe_open(ib[k], "pt") as hb:
             x, y = ha.get_tensor(k), hb.get_tensor(k)
-            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
-                return False
-    return True
+            if x.dtype != y.dtype or x.shape != y.shape:
+                return f"{k}: {x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}"
+            if not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+                return f"{k}: values differ"
+    return None
 
 
 def main(argv=None) -> None:
@@ -163,8 +167,9 @@ def main(argv=None) -> None:
             if failed:
                 break
         else:
-            results["round_trip_bit_exact"] = same_tensors(hf, back)
-            print(json.dumps({"ranks": n, "round_trip_bit_exact": results["round_trip_bit_exact"]}), flush=True)
+            diff = round_trip_difference(hf, back)
+            results["round_trip_bit_exact"], results["round_trip_difference"] = diff is None, diff
+            print(json.dumps({"ranks": n, "round_trip_bit_exact": diff is None, "difference": diff}), flush=True)
         shutil.rmtree(back, ignore_errors=True)
         shutil.rmtree(mcore, ignore_errors=True)
     print(json.dumps(results))

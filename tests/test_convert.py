@@ -58,6 +58,25 @@ def test_round_trip_across_layouts(family, back_layout, request, tmp_path):
     assert not glob.glob(mcore + ".partial*") and not glob.glob(back + ".partial*")
 
 
+def test_bf16_model_comes_back_bf16_and_bit_exact(tmp_path):
+    """The dist-ckpt holds what the model was built with; mcore-to-hf writes each tensor in the
+    reference HF checkpoint's dtype, so a bf16 model's round trip is bf16, bit for bit."""
+    from skyrl_mega.models.tiny import make_tiny
+
+    hf, mcore, back = str(tmp_path / "hf"), str(tmp_path / "mcore"), str(tmp_path / "back")
+    make_tiny("qwen3_moe", hf, dtype="bfloat16")
+    assert cli.main(["convert", "hf-to-mcore", hf, mcore, "--nproc", "1"]) == 0
+    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", hf, "--nproc", "1"]) == 0
+    original = load_file(os.path.join(hf, "model.safetensors"))
+    converted = {}
+    for f in glob.glob(os.path.join(back, "*.safetensors")):
+        converted.update(load_file(f))
+    assert sorted(converted) == sorted(original)
+    for k, v in original.items():
+        assert v.dtype == torch.bfloat16 and converted[k].dtype == v.dtype, (k, converted[k].dtype)
+        assert torch.equal(converted[k], v), k
+
+
 def test_dist_ckpt_with_layers_the_model_lacks(mcore, tmp_path, capsys):
     """The 4-layer checkpoint into a 3-layer architecture: layer 3's 9 tensors (qkv, proj, the
     three norms, router, the two expert weights) are left over; strict=False loaded it silently."""

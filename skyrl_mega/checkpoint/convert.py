@@ -39,7 +39,7 @@ from ..megatron import parallel
 from ..megatron.model import build_bridge
 from .dist_ckpt import MANIFEST, CheckpointError, _unwrap, verify_distributed
 from .hf_output import publish_index, write_group
-from .hf_reader import HFReader
+from .hf_reader import HFReader, tensor_dtypes
 from .progress import Progress, report_peak, rss
 from .stream_save import save_streaming, written_pieces
 from .tensor_names import (check_same_tensors, dist_ckpt_model_keys, hf_file_tensor_names, hf_weight_names,
@@ -184,6 +184,9 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
             raise CheckpointError(f"{ckpt_dir} is not a usable checkpoint: {why}")
     (prefix, sharded), = state.items()  # one chunk at PP = 1
     sources = bridge.hf_sources(_unwrap(models[0]))
+    # the reference checkpoint's dtype per tensor: a bf16 model comes back bf16 (the dist-ckpt may
+    # hold fp32 master weights, the trainer's, or the fp32 copies of a conversion)
+    ref_dtypes = tensor_dtypes(cfg.model.path)
     entries = dict(_unwrap(models[0]).state_dict())
     names = [n for n in sharded if n in sources]
     units = _load_units(sharded, names)
@@ -205,7 +208,8 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
         for n in group:
             tensor = loaded.pop(n)
             done += torch.tensor([1, _entry_bytes(tensor)])
-            hf.update(bridge.hf_from_whole(sources[n][0], tensor))
+            for k, v in dict(bridge.hf_from_whole(sources[n][0], tensor)).items():
+                hf[k] = v.to(ref_dtypes.get(k, v.dtype))
         if hf:
             written.append(write_group(partial, rank, len(written), hf))
         del hf, loaded

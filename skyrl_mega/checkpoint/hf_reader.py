@@ -1,7 +1,8 @@
 """Lazy reads of HF safetensors tensors, a few at a time.
 
 In:  an HF checkpoint dir (an index's shards, else every *.safetensors). Out: `tensor_files`
-     (tensor name -> file, from the headers), and `HFReader.read(names)`: those tensors, each
+     (tensor name -> file, from the headers), `tensor_dtypes` (name -> torch dtype, from the
+     headers: no tensor is read), and `HFReader.read(names)`: those tensors, each
      file opened with safetensors' safe_open for the read and closed after it (a file kept mapped
      would count its touched pages in the process's resident memory).
 """
@@ -20,6 +21,26 @@ def tensor_files(hf_dir: str) -> dict[str, str]:
     for path in safetensors_files(hf_dir):
         with safe_open(path, framework="pt") as f:
             out.update({name: path for name in f.keys()})
+    return out
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def tensor_dtypes(hf_dir: str) -> dict[str, torch.dtype]:
+    from safetensors import safe_open
+
+    from .preflight import safetensors_files
+
+    out = {}
+    for path in safetensors_files(hf_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                dt = _DTYPES.get(f.get_slice(name).get_dtype())
+                if dt is not None:
+                    out[name] = dt
     return out
 
 
