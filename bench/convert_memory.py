@@ -152,8 +152,9 @@ def main(argv=None) -> None:
             cap = MemoryCgroup(f"skyrl_convert_{os.getpid()}_{n}_{direction}", int(a.memory_cap * 2**30)) \
                 if a.memory_cap else None
             try:
-                took, peaks, failed = convert(direction, src, dst, "--nproc", str(n), "--shard-size", a.shard_size,
-                                              *extra, *layout, repo=a.repo, cap=cap)
+                shard = ["--shard-size", a.shard_size] if a.shard_size else []  # "": a CLI without the flag
+                took, peaks, failed = convert(direction, src, dst, "--nproc", str(n), *shard, *extra, *layout,
+                                              repo=a.repo, cap=cap)
                 run = {"direction": direction, "ranks": n, "seconds": round(took, 1), "per_rank": peaks}
                 if cap is not None:
                     peak = cap.peak_bytes()
