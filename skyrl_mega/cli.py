@@ -147,6 +147,7 @@ def cmd_serve(args) -> int:
     put engines on other nodes): the same flags (weight-transfer backend, routed experts, the
     recipe's engine settings, the job secret's middleware beyond loopback); vLLM runs supervised
     (rollout/supervise.py: when it ends, its EngineCore and workers go too). --dry-run prints the command line (as JSON) instead."""
+    import dataclasses
     import json
 
     from skyrl_mega.controller.engines import server_config
@@ -155,6 +156,10 @@ def cmd_serve(args) -> int:
 
     cfg = _load(args.recipe, args.overrides)
     plan = plan_placement(args.placement, cfg.rollout)
+    if plan.transport == "shm" and cfg.rollout.weight_transport == "auto":
+        # a served engine is for trainers on other hosts, which send weights by the transport that
+        # crosses hosts (placement.py): the engine runs its weight-transfer backend
+        plan = dataclasses.replace(plan, transport="nccl")
     server = server_config(cfg, plan, host=args.host)
     argv = server.argv(args.port, engine_caps.installed().server_flags())
     if args.dry_run:

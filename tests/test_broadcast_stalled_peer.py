@@ -80,3 +80,26 @@ def test_sender_aborts_within_seconds_and_drops_the_group():
         tr.close()
         if client.proc is not None:
             client.proc.wait(timeout=PEER_LINGER_S + 30)
+
+
+class RefusingClient(EngineClient):
+    """An engine whose weight-transfer init is refused (vLLM without the backend: HTTP 500)."""
+
+    def num_ranks(self):
+        return 1
+
+    def init(self, info, rank_offset):
+        raise ConnectionError("Weight transfer not configured")
+
+
+def test_a_refused_init_fails_the_rendezvous_at_once():
+    """The receiver never joins the group: the sender learns it from the failed init call, not
+    after the rendezvous' timeout (600 s by default; 60 s here)."""
+    tr = NcclBroadcastTransport(receivers=[RefusingClient()], comm_backend="gloo", timeout_s=60)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match="init failed.*Weight transfer not configured"):
+            tr.init()
+        assert time.monotonic() - t0 < 30 and tr.comm is None
+    finally:
+        tr.close()

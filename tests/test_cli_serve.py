@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 
 
@@ -33,4 +35,12 @@ def test_serve_gives_the_recipes_engine_settings_transfer_backend_and_secret(tin
 def test_serve_on_loopback_needs_no_secret(tiny_qwen3_moe):
     argv = _dry_run("--recipe", "qwen3_moe/tiny_cpu", f"model.path={tiny_qwen3_moe}")
     assert "--middleware" not in argv and argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert "--weight-transfer-config" not in argv  # the CPU default transport (shm) needs none
+
+
+@pytest.mark.parametrize("transport, backend", [("auto", True), ("nccl", True), ("shm", False)])
+def test_served_engine_takes_the_transport_that_crosses_hosts(tiny_qwen3_moe, transport, backend):
+    """A served engine is for a trainer on another host, which sends by nccl when its transport is
+    auto (placement.py): the engine runs the weight-transfer backend unless shm is asked for."""
+    argv = _dry_run("--recipe", "qwen3_moe/tiny_cpu", f"model.path={tiny_qwen3_moe}",
+                    f"rollout.weight_transport={transport}")
+    assert ("--weight-transfer-config" in argv) == backend

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -34,6 +35,13 @@ from .transfer_api import WeightTransferTransport
 logger = logging.getLogger(__name__)
 
 STATUS_NAMES = {1: "checksum mismatch", 2: "load failed"}
+
+
+def _into(future: Future, fn, *args, **kwargs) -> None:
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+        future.set_exception(e)
 
 
 class NcclBroadcastTransport(WeightTransferTransport):
@@ -82,19 +90,34 @@ class NcclBroadcastTransport(WeightTransferTransport):
         for c in self.clients:
             futs.append(self._exe.submit(c.init, info, off))
             off += c.num_ranks()
+        # the rendezvous blocks until every receiver joined; a receiver that refused (an engine
+        # without the weight-transfer backend, say) never joins, so its failed call ends the wait
+        # at once instead of after timeout_s (the abandoned rendezvous times out on its own)
+        comm = Future()
+        threading.Thread(target=_into, daemon=True, name="skyrl-ws-rendezvous",  # daemon: exit never waits on it
+                         args=(comm, Communicator, self.comm_backend, self.master_address, self.master_port, 0, world,
+                               self.timeout_s, self.device), kwargs={"store": store, "group": group}).start()
+        deadline = time.monotonic() + self.timeout_s
+        while not comm.done():
+            failed = [repr(f.exception()) for f in futs if f.done() and f.exception() is not None]
+            if failed:
+                raise WeightSyncError(f"transfer group init failed: {failed}")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"transfer group init: receivers did not join within {self.timeout_s:.0f} s")
+            time.sleep(0.02)  # polling two futures, not waiting out a guess
+        errs = []
+        for f in futs:
+            try:
+                f.result(timeout=self.timeout_s)
+            except Exception as e:
+                errs.append(repr(e))
         try:
-            self.comm = Communicator(self.comm_backend, self.master_address, self.master_port, 0, world,
-                                     self.timeout_s, self.device, store=store, group=group)
-        finally:
-            errs = []
-            for f in futs:
-                try:
-                    f.result(timeout=self.timeout_s)
-                except Exception as e:
-                    errs.append(repr(e))
-            if errs:
-                self.comm = None
-                raise WeightSyncError(f"transfer group init failed: {errs}")
+            self.comm = comm.result()
+        except Exception as e:
+            errs.append(repr(e))
+        if errs:
+            self.comm = None
+            raise WeightSyncError(f"transfer group init failed: {errs}")
         self.pool = SlotPool(self.device, n=self.num_slots, wait=self._wait)
         self._sent_plan = None
         self.timings["init_s"] = time.perf_counter() - t0
