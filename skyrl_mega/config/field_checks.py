@@ -144,15 +144,16 @@ def rollout_problems(cfg, probe: bool) -> list[str]:
     out += choice("rollout.sleep_level", r.sleep_level, (1, 2))
     out += choice("rollout.weight_transport", r.weight_transport, ("auto", *TRANSPORTS))
     out += choice("rollout.verify_sync", r.verify_sync, ("never", "first_last", "always"))
-    out += url_problems(list(r.external_urls), probe)
-    if not out:  # the transport the run would pick (engines on other hosts need nccl)
+    if not out and not url_problems(list(r.external_urls), probe=False):
+        # the transport the run would pick (engines on other hosts need nccl); reported also when
+        # those engines do not answer yet
         from skyrl_mega.controller.placement import plan_placement
 
         try:
             plan_placement(cfg.placement, r)
         except ValueError as e:
             out.append(str(e))
-    return out + engine_problems(cfg)
+    return out + url_problems(list(r.external_urls), probe) + engine_problems(cfg)
 
 
 def engine_problems(cfg) -> list[str]:
