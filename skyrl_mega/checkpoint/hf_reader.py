@@ -12,16 +12,19 @@ from __future__ import annotations
 import torch
 
 
-def tensor_files(hf_dir: str) -> dict[str, str]:
+def _headers(hf_dir: str):
+    """(file, open safetensors handle) for each file of the checkpoint, one open at a time."""
     from safetensors import safe_open
 
     from .preflight import safetensors_files
 
-    out = {}
     for path in safetensors_files(hf_dir):
         with safe_open(path, framework="pt") as f:
-            out.update({name: path for name in f.keys()})
-    return out
+            yield path, f
+
+
+def tensor_files(hf_dir: str) -> dict[str, str]:
+    return {name: path for path, f in _headers(hf_dir) for name in f.keys()}
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -30,18 +33,8 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 
 
 def tensor_dtypes(hf_dir: str) -> dict[str, torch.dtype]:
-    from safetensors import safe_open
-
-    from .preflight import safetensors_files
-
-    out = {}
-    for path in safetensors_files(hf_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                dt = _DTYPES.get(f.get_slice(name).get_dtype())
-                if dt is not None:
-                    out[name] = dt
-    return out
+    return {name: _DTYPES[dt] for _, f in _headers(hf_dir) for name in f.keys()
+            if (dt := f.get_slice(name).get_dtype()) in _DTYPES}
 
 
 class HFReader:

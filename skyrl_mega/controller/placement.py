@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ports import remote_hosts
+
 TRANSPORTS = {  # skyrl_mega/weight_sync/transports/
     "shm": "skyrl_mega.weight_sync.transports.shm:SharedMemoryTransport",
     # the engines run the vLLM weight-transfer backend "skyrl_bucket"
@@ -66,8 +68,6 @@ def plan_placement(placement: str, rollout_cfg, cuda: bool | None = None) -> Pla
     want = getattr(rollout_cfg, "weight_transport", "auto") or "auto"
     if want != "auto" and want not in TRANSPORTS:
         raise ValueError(f"rollout.weight_transport must be auto or one of {sorted(TRANSPORTS)}, got {want!r}")
-    from ..ports import remote_hosts
-
     remote = remote_hosts(list(getattr(rollout_cfg, "external_urls", None) or []))
     if remote and want in ("shm", "cuda_ipc"):
         raise ValueError(f"rollout.weight_transport={want} hands weights over on this host only (files in "

@@ -205,7 +205,7 @@ class R3RouterReplay:
                 if not self.replay_backward_list:
                     raise RuntimeError(f"R3: layer {self.layer}: recompute found no routes to replay")
                 target = self.replay_backward_list.pop(0)
-                complete = self._complete_backward.pop(0) if self._complete_backward else False
+                complete = self._complete_backward.pop(0)
             if target is None:
                 raise RuntimeError(f"R3: layer {self.layer}: replay is on but no routes were set")
             target = target.to(device=scores.device, dtype=torch.long)

@@ -425,8 +425,7 @@ class ServerManager:
                     if time.monotonic() > deadline:
                         self._event(f"server {s.index} ({s.url}) did not answer /health for {timeout_s:.0f}s; "
                                     "killing it")
-                        s.child.kill_group(signal.SIGKILL)
-                        s.child.proc.wait(timeout=30.0)
+                        s.child.stop(grace_s=0.0)
                         break
                     time.sleep(0.1)  # polling the server's state, not waiting out a guess
             return self.check()
