@@ -11,7 +11,7 @@ demo: setup
 	$(PY) -m skyrl_mega.cli demo
 
 test: setup
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not slow and not gpu" --durations=40
 
 test-all: setup
 	$(PY) -m pytest -q
