@@ -3,7 +3,9 @@
 In: an HF checkpoint directory (or config), dtype, which layer spec to use (model.spec, see
 skyrl_mega/megatron/specs) and whether the MoE routers replay routes (R3).
 Out: Megatron model chunks (list, one per virtual pipeline stage) with HF weights loaded,
-and an iterator of (hf_name, tensor) for export, gathered over TP/EP/PP.
+and an iterator of (hf_name, tensor) for export, gathered over TP/EP/PP. Checkpoint tensors a
+family declares carried (CARRIED_PREFIXES: MTP layers, a vision tower) are not built; every HF
+checkpoint written from the model gets them unchanged from the source checkpoint.
 """
 
 from __future__ import annotations
@@ -133,6 +135,26 @@ class ModelBridge:
         names, tensors = self.impl._weight_to_hf_format(name, tensor)
         return list(zip(names, tensors))
 
+    def carried(self, names) -> list[str]:
+        """Of an HF checkpoint's tensor names, those the model does not build but keeps (the
+        family's CARRIED_PREFIXES): HF checkpoints written from the model copy them unchanged."""
+        prefixes = tuple(getattr(self.impl, "CARRIED_PREFIXES", ()))
+        return sorted(n for n in names if prefixes and n.startswith(prefixes))
+
+    def carried_tensors(self, max_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
+        """The source checkpoint's carried tensors, read at most about max_bytes at a time."""
+        from skyrl_mega.checkpoint.hf_reader import HFReader, tensor_nbytes
+
+        sizes = tensor_nbytes(self.hf_path)
+        reader, group, size = HFReader(self.hf_path), [], 0
+        for name in self.carried(sizes) + [None]:
+            if group and (name is None or size + sizes[name] > max_bytes):
+                yield from zip(group, reader.read(group))
+                group, size = [], 0
+            if name is not None:
+                group.append(name)
+                size += sizes[name]
+
     def load_hf(self, models: list[torch.nn.Module], path: str) -> None:
         self.impl.load_weights(models, path)
 
@@ -142,7 +164,8 @@ class ModelBridge:
 
     def save_hf(self, models: list[torch.nn.Module], path: str, shard_bytes: int = 2 << 30) -> None:
         """Collective. Rank 0 writes HF safetensors shards + index + config (atomically: a
-        temporary directory renamed at the end)."""
+        temporary directory renamed at the end); the carried tensors come from the source."""
+        import itertools
         import json
         import os
         import shutil
@@ -165,7 +188,8 @@ class ModelBridge:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        for name, tensor in self.export_hf(models):
+        exported = self.export_hf(models)
+        for name, tensor in itertools.chain(exported, self.carried_tensors(shard_bytes) if rank0 else ()):
             if not rank0:
                 continue
             shard[name] = tensor.detach().to("cpu", copy=True).contiguous()

@@ -15,6 +15,10 @@ Out: megatron's hybrid model on the local hybrid spec (megatron/hybrid_model.py)
 Tensor parallelism splits `in_proj` ([z | x | B | C | dt]) and `conv1d` ([x | B | C]) part by part
 (each rank holds its slice of every part), the per-head and per-channel vectors in order.
 What megatron cannot express is refused by `unsupported()` with the reason (one line each).
+Multi-token-prediction layers (`num_nextn_predict_layers`, tensors `mtp.*`) are carried, not
+built: RL trains the main model, and every HF checkpoint written from it (convert, the trainer's
+HF saves) holds the source checkpoint's MTP tensors unchanged (ModelBridge.carried); vLLM serves
+the model without them unless speculative decoding is asked for.
 """
 
 from __future__ import annotations
@@ -76,8 +80,6 @@ def layer_pattern(hf_config) -> str:
 def unsupported(hf) -> list[str]:
     """What of this HF config the megatron build would get wrong; each entry says why."""
     problems = []
-    if getattr(hf, "num_nextn_predict_layers", 0):
-        problems.append(f"num_nextn_predict_layers={hf.num_nextn_predict_layers}: MTP layers are not mapped yet")
     if getattr(hf, "moe_latent_size", None) is not None:
         problems.append(f"moe_latent_size={hf.moe_latent_size}: latent MoE projections are not mapped yet")
     for key in ("attention_bias", "mlp_bias", "mamba_proj_bias"):
@@ -105,6 +107,7 @@ def unsupported(hf) -> list[str]:
 
 class NemotronHBridge(LocalSpecMixin, FusedPartsTP, LLMBridge):
     TP_VECTORS = _MIXER_VECTORS
+    CARRIED_PREFIXES = ("mtp.",)
     _CONFIG_MAPPING = {
         "num_layers": "num_hidden_layers",
         "hidden_size": "hidden_size",

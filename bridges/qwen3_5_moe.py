@@ -17,9 +17,11 @@ Out: megatron's GPTModel on the local GDN spec (megatron/specs/gdn_local.py) and
          expert likewise and its sigmoid gate <- mlp.shared_expert_gate
 Norms are zero-centred (HF scales by 1 + w, megatron's layernorm_zero_centered_gamma; weights
 copy unchanged), except the GDN output norm. Tensor parallelism splits in_proj and conv1d part
-by part. Multi-token-prediction layers (`mtp_num_hidden_layers`) are not built: their tensors
-are neither loaded nor exported (vLLM serves the model without them unless speculative decoding
-is asked for).
+by part. Multi-token-prediction layers (`mtp_num_hidden_layers`, tensors `mtp.*`) and the
+multimodal checkpoint's vision tower (`model.visual.*`) are carried, not built: RL trains the
+text model, and every HF checkpoint written from it (convert, the trainer's HF saves) holds the
+source checkpoint's tensors of both unchanged (ModelBridge.carried); vLLM serves the model
+without MTP unless speculative decoding is asked for, and text-only (`--language-model-only`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def unsupported(hf) -> list[str]:
 
 class Qwen3_5MoeBridge(LocalSpecMixin, FusedPartsTP, LLMBridge):
     TP_VECTORS = _GDN_VECTORS
+    CARRIED_PREFIXES = ("mtp.", "model.visual.")
     _CONFIG_MAPPING = {
         "num_layers": "num_hidden_layers",
         "hidden_size": "hidden_size",

@@ -40,7 +40,7 @@ def cmd_make_tiny(args) -> int:
 
     try:
         make_tiny(args.family, args.out_dir, seed=args.seed, size=args.size, dtype=args.dtype, device=args.device,
-                  weights=not args.config_only, multimodal=args.multimodal)
+                  weights=not args.config_only, multimodal=args.multimodal, mtp=args.mtp)
     except ValueError as e:  # unknown family or size, --multimodal on another family: one line
         print(f"skyrl-mega make-tiny: {e}", file=sys.stderr)
         return 2
@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="config and tokenizer, no weights (for vLLM's --load-format dummy and random-init trainers)")
     p.add_argument("--multimodal", action="store_true",
                    help="qwen3_5_moe: Qwen3.5's released multimodal layout (text model + a tiny vision tower)")
+    p.add_argument("--mtp", action="store_true",
+                   help="qwen3_5_moe, nemotron3: one multi-token-prediction layer's tensors (mtp.*), as released")
     p.set_defaults(fn=cmd_make_tiny)
 
     p = sub.add_parser("convert", help="HF <-> Megatron dist-ckpt at any parallel layout")

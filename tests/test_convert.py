@@ -97,3 +97,38 @@ def test_dist_ckpt_with_layers_the_model_lacks(mcore, tmp_path, capsys):
 def test_mcore_to_hf_needs_reference_hf_dir(tmp_path):
     with pytest.raises(SystemExit, match="needs --hf"):
         cli.main(["convert", "mcore-to-hf", str(tmp_path), str(tmp_path / "o")])
+
+
+def _tensors(hf_dir: str) -> dict:
+    out = {}
+    for f in glob.glob(os.path.join(hf_dir, "*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("family, layout, multimodal", [("nemotron3", "parallel.ep=2", False),
+                                                        ("qwen3_5_moe", "parallel.tp=2", True)])
+def test_carried_tensors_come_back_unchanged(family, layout, multimodal, tmp_path, capfd):
+    """A checkpoint with a multi-token-prediction layer (and, Qwen3.5's released layout, a vision
+    tower): the model does not build them. hf-to-mcore names them and leaves them out (before,
+    the strict check refused the checkpoint: 'N tensors unexpected (mtp...)'); mcore-to-hf and the
+    trainer's HF save write them back unchanged: every tensor of the original, bit for bit."""
+    from skyrl_mega.launcher import run_torchrun
+    from skyrl_mega.models.tiny import make_tiny
+
+    hf, mcore, back, saved = (str(tmp_path / n) for n in ("hf", "mcore", "back", "saved"))
+    make_tiny(family, hf, mtp=True, multimodal=multimodal)
+    original = _tensors(hf)
+    carried = sorted(n for n in original if n.startswith(("mtp.", "model.visual.")))
+    assert len(carried) >= 20, carried
+    assert cli.main(["convert", "hf-to-mcore", hf, mcore, "--nproc", "2", layout]) == 0
+    said = "".join(capfd.readouterr())
+    mtp = sum(n.startswith("mtp.") for n in carried)
+    assert f"{len(carried)} tensors (" in said and f"mtp.*: {mtp}" in said and "not converted" in said, said
+    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", hf, "--nproc", "2"]) == 0
+    run_torchrun(os.path.join(os.path.dirname(__file__), "workers", "save_hf_worker.py"), 1, [hf, saved],
+                 timeout=300)
+    for out in (back, saved):
+        converted = _tensors(out)
+        assert sorted(converted) == sorted(original), sorted(set(original) ^ set(converted))[:5]
+        assert all(torch.equal(converted[k], original[k]) for k in original), out

@@ -39,7 +39,6 @@ def test_score_correction_bias_is_loaded_and_matters(checks):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(num_nextn_predict_layers=1), "MTP layers are not mapped yet"),
     (dict(moe_latent_size=16), "latent MoE projections are not mapped yet"),
     (dict(mlp_hidden_act="silu"), "only relu2 (squared ReLU) is mapped"),
     (dict(norm_topk_prob=False), "megatron's sigmoid router always normalises the top-k"),

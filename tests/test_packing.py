@@ -155,6 +155,26 @@ def test_plan_microbatches_modes():
     assert [lay.rows for lay in padded] == [4, 4] and [lay.width for lay in padded] == [18, 30]
 
 
+def test_pad_to_rounds_every_packed_row_up_and_keeps_the_tokens():
+    lens = [5, 3, 7, 9, 2, 6]
+    plain = plan_microbatches(lens, packed=True, max_tokens=16, tp=2)
+    padded = plan_microbatches(lens, packed=True, max_tokens=16, tp=2, pad_to=11)  # unit 12 (TP multiple)
+    assert [m.width for m in padded] == [-(-m.width // 12) * 12 for m in plain] and len(padded) == len(plain)
+    for a, b in zip(plain, padded):
+        assert [(s.sample, s.start, s.length) for s in a.segments] == [(s.sample, s.start, s.length) for s in b.segments]
+        assert a.segments[-1].padded + b.width - a.width == b.segments[-1].padded
+        assert torch.equal(a.cu_seqlens(), b.cu_seqlens())  # real tokens: the same sequences
+        assert int(b.cu_seqlens(padded=True)[-1]) == b.width
+        ids = [_samples(lens)[i] for i in b.samples]
+        row = b.scatter(ids, fill=-7)
+        assert row.shape == (1, b.width) and (row == -7).sum() == b.width - sum(lens[i] for i in b.samples)
+        assert all(torch.equal(u, v) for u, v in zip(b.gather(row), ids))
+        assert torch.equal(row[:, : a.width], a.scatter(ids, fill=-7))
+        assert torch.equal(b.position_ids()[0, : a.width], a.position_ids()[0])
+    with pytest.raises(ValueError, match="no wider"):
+        plain[0].padded_to(plain[0].width - 2)
+
+
 def test_shard_for_dp_is_a_balanced_partition():
     lens = [5, 17, 2, 9, 30, 1, 12, 8]
     shards = [shard_for_dp(lens, 3, r) for r in range(3)]

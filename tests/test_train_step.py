@@ -19,7 +19,9 @@ from .conftest import REPO
 
 pytestmark = pytest.mark.multiprocess
 LAYOUTS = {"ws1": (1, []), "tp2": (2, ["parallel.tp=2"]), "ep2": (2, ["parallel.ep=2"]),
-           "pp2": (2, ["parallel.pp=2"])}
+           "pp2": (2, ["parallel.pp=2"]),
+           # packed rows padded to multiples of 40 tokens (train.pad_packed_to): the same numbers
+           "ws1_pad40": (1, ["train.pad_packed_to=40"])}
 LENGTHS = [5, 27, 9, 40, 12, 3, 22, 14]
 TEMPERATURE = 0.9  # the worker's algorithm.temperature
 
@@ -96,9 +98,11 @@ def test_logprobs_match_transformers(runs):
         assert (lp - inputs[f"rollout_{i}"]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2", "ws1_pad40"])
 def test_rl_update_matches_world_size_one(runs, layout):
     ref, got = runs["ws1"]["metrics"], runs[layout]["metrics"]
+    if layout == "ws1_pad40":  # the rows were padded: more positions, each row a multiple of 40
+        assert got["tokens/padded"] > ref["tokens/padded"] and got["tokens/padded"] % 40 == 0, got["tokens/padded"]
     for key in ("loss", "pg_loss", "kl", "entropy", "pg_clipfrac", "logprob_diff_mean", "grad_norm"):
         assert abs(got[key] - ref[key]) < 1e-5, (key, got[key], ref[key])
     assert got["tokens/response"] == ref["tokens/response"]

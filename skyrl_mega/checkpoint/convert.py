@@ -18,7 +18,9 @@ sharded-tensor metadata only.
                them (the bridge) and write one safetensors file per group (hf_output.py).
 Rank 0 prints progress lines and every rank's peak RSS (progress.py) to stderr.
 Strict: the source must hold exactly the tensors the model loads (tensor_names.py), else a
-CheckpointError names them. The output is written to `<dst>.partial` and renamed when complete;
+CheckpointError names them. Tensors the family carries (MTP layers, a vision tower: the bridge's
+`carried`) are not converted: hf-to-mcore names them and leaves them out, mcore-to-hf copies
+them unchanged from its --hf checkpoint. The output is written to `<dst>.partial` and renamed when complete;
 a failure removes it. The launching process checks the inputs first (preflight.py).
 """
 
@@ -39,7 +41,7 @@ from ..megatron import parallel
 from ..megatron.model import build_bridge
 from .dist_ckpt import MANIFEST, CheckpointError, _unwrap, verify_distributed
 from .hf_output import publish_index, write_group
-from .hf_reader import HFReader, tensor_dtypes
+from .hf_reader import HFReader, tensor_dtypes, tensor_nbytes
 from .progress import Progress, report_peak, rss
 from .stream_save import save_streaming, written_pieces
 from .tensor_names import (check_same_tensors, dist_ckpt_model_keys, hf_file_tensor_names, hf_weight_names,
@@ -84,8 +86,13 @@ def hf_to_mcore(cfg, hf_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHARD
     bridge = build_bridge(cfg, perform_initialization=False)
     models = bridge.build_meta()
     sources = [bridge.hf_sources(_unwrap(m)) for m in models]
+    present = hf_file_tensor_names(hf_dir)
+    carried = bridge.carried(present)
     check_same_tensors(f"{hf_dir} does not match its config.json", hf_weight_names(bridge, models),
-                       hf_file_tensor_names(hf_dir))
+                       present - set(carried))
+    if carried and dist.get_rank() == 0:
+        print(f"[skyrl-mega] {describe_carried(carried)} not converted: the model does not build them; "
+              "mcore-to-hf copies them unchanged from its --hf checkpoint", file=sys.stderr, flush=True)
     state = _model_state(models)
     chunk = {prefix: i for i, prefix in enumerate(state)}
     entries = [dict(_unwrap(m).state_dict()) for m in models]
@@ -193,7 +200,10 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
     sizes = [sum(_entry_bytes(entries[n]) for n in u) for u in units]
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = split_work(sizes, world, shard_bytes)
-    progress = Progress("mcore-to-hf", len(names), sum(sizes), show=rank == 0)
+    ref_sizes = tensor_nbytes(cfg.model.path)
+    carried = bridge.carried(ref_sizes)
+    progress = Progress("mcore-to-hf", len(names) + len(carried), sum(sizes) + sum(ref_sizes[n] for n in carried),
+                        show=rank == 0)
     partial = partial_dir(out_dir)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -215,6 +225,7 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
         del hf, loaded
         dist.all_reduce(done)
         progress.add(int(done[0]), int(done[1]))
+    written += copy_carried(cfg.model.path, carried, ref_sizes, partial, len(written), shard_bytes, progress)
     progress.line()
     publish_index(partial, written)
     if rank == 0:
@@ -225,6 +236,32 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
                 shutil.copy(src, os.path.join(partial, f))
     report_peak(before)
     _publish(partial, out_dir)
+
+
+def describe_carried(names: list[str]) -> str:
+    """'12 tensors (mtp.*: 11, model.visual.*: 1)': counts by their first two name parts."""
+    kinds = {}
+    for n in names:
+        key = ".".join(n.split(".")[:2 if n.startswith("model.") else 1]) + ".*"
+        kinds[key] = kinds.get(key, 0) + 1
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''} (" + ", ".join(f"{k}: {v}" for k, v in kinds.items()) + ")"
+
+
+def copy_carried(ref_dir: str, carried: list[str], ref_sizes: dict[str, int], out_dir: str, first: int,
+                 shard_bytes: int, progress: Progress) -> list[dict]:
+    """Collective. The reference checkpoint's carried tensors (the model does not build them),
+    unchanged: the ranks split them by bytes and write each group as one file; returns this
+    rank's file entries."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = split_work([ref_sizes[n] for n in carried], world, shard_bytes)[rank] if carried else []
+    reader, written, done = HFReader(ref_dir), [], torch.zeros(2, dtype=torch.int64)
+    for k, group in enumerate(groups):
+        names = [carried[i] for i in group]
+        written.append(write_group(out_dir, rank, first + k, dict(zip(names, reader.read(names)))))
+        done += torch.tensor([len(names), sum(ref_sizes[n] for n in names)])
+    dist.all_reduce(done)
+    progress.add(int(done[0]), int(done[1]))
+    return written
 
 
 def whole_tensor_layout(cfg) -> None:

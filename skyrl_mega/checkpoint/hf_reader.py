@@ -1,8 +1,8 @@
 """Lazy reads of HF safetensors tensors, a few at a time.
 
 In:  an HF checkpoint dir (an index's shards, else every *.safetensors). Out: `tensor_files`
-     (tensor name -> file, from the headers), `tensor_dtypes` (name -> torch dtype, from the
-     headers: no tensor is read), and `HFReader.read(names)`: those tensors, each
+     (tensor name -> file, from the headers), `tensor_dtypes` (name -> torch dtype) and
+     `tensor_nbytes` (name -> bytes), both from the headers (no tensor is read), and `HFReader.read(names)`: those tensors, each
      file opened with safetensors' safe_open for the read and closed after it (a file kept mapped
      would count its touched pages in the process's resident memory).
 """
@@ -35,6 +35,18 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 def tensor_dtypes(hf_dir: str) -> dict[str, torch.dtype]:
     return {name: _DTYPES[dt] for _, f in _headers(hf_dir) for name in f.keys()
             if (dt := f.get_slice(name).get_dtype()) in _DTYPES}
+
+
+def tensor_nbytes(hf_dir: str) -> dict[str, int]:
+    out = {}
+    for _, f in _headers(hf_dir):
+        for name in f.keys():
+            piece = f.get_slice(name)
+            numel = 1
+            for d in piece.get_shape():
+                numel *= d
+            out[name] = numel * _DTYPES[piece.get_dtype()].itemsize
+    return out
 
 
 class HFReader:

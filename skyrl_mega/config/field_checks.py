@@ -89,7 +89,7 @@ def optim_problems(cfg) -> list[str]:
 def train_problems(cfg) -> list[str]:
     t = cfg.train
     out = at_least(cfg, 1, ["train.micro_batch_size", "train.steps"])
-    out += at_least(cfg, 1, ["train.max_tokens_per_microbatch"], optional=True)
+    out += at_least(cfg, 1, ["train.max_tokens_per_microbatch", "train.pad_packed_to"], optional=True)
     if t.recompute_granularity not in (None, "full"):
         out.append(f"train.recompute_granularity={t.recompute_granularity!r}: use null or 'full'")
     return out

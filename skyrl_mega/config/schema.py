@@ -50,6 +50,9 @@ class TrainConfig:
     max_tokens_per_microbatch: Optional[int] = None  # dynamic batch size when set
     steps: int = 10
     packing: bool = True  # THD sequence packing (False: one padded row per sample)
+    # packed rows padded to a multiple of this many tokens: few shapes for kernels that compile
+    # per shape (fla's and mamba-ssm's Triton kernels on GPU); None = no extra padding
+    pad_packed_to: Optional[int] = None
     recompute_granularity: Optional[str] = None  # None | full (activation recompute, uniform, 1 layer)
 
 

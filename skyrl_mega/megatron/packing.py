@@ -117,6 +117,17 @@ class MicroBatchLayout:
         layout = cls.build([multiple], [-1], packed=packed, multiple=multiple, cp_size=cp_size, cp_rank=cp_rank)
         return layout
 
+    def padded_to(self, width: int) -> "MicroBatchLayout":
+        """The same packed layout with its last segment's padding extended so the row is `width`
+        wide (a multiple of the layout's own width unit): fixed shapes for kernels that compile
+        per shape. Real tokens, positions and loss rows are unchanged."""
+        if not self.packed or width < self.width:
+            raise ValueError(f"padded_to({width}): needs a packed layout no wider than that (width {self.width})")
+        last = self.segments[-1]
+        segs = self.segments[:-1] + [Segment(last.sample, last.row, last.start, last.length,
+                                             last.padded + width - self.width)]
+        return MicroBatchLayout(True, 1, width, segs, self.cp_size, self.cp_rank)
+
     # ------------------------------------------------------------------ basic facts
     @property
     def num_tokens(self) -> int:
@@ -335,12 +346,14 @@ def _dp_max(value: int, group) -> int:
 
 def plan_microbatches(lengths: Sequence[int], *, packed: bool = True, max_tokens: int | None = None,
                       micro_batch_size: int = 1, tp: int = 1, cp: int = 1, cp_rank: int = 0,
-                      dp_group=None) -> list[MicroBatchLayout]:
+                      dp_group=None, pad_to: int | None = None) -> list[MicroBatchLayout]:
     """This rank's micro-batch layouts for samples of `lengths` (indices refer to that list).
 
     packed + max_tokens: balanced token-budget micro-batches (dynamic batch size).
     otherwise: consecutive groups of `micro_batch_size` samples (packed into one row, or padded).
     The count is made equal over `dp_group` (all-reduce max); empty slots get a dummy sequence.
+    packed + pad_to: every row's width rounded up to a multiple of pad_to (itself rounded up to
+    the TP / CP multiple), so kernels that compile per shape (Triton) see few shapes.
     """
     multiple = pad_multiple(tp, cp)
     n = len(lengths)
@@ -365,6 +378,9 @@ def plan_microbatches(lengths: Sequence[int], *, packed: bool = True, max_tokens
         else:
             layouts.append(MicroBatchLayout.build([lengths[i] for i in part], part, packed=packed,
                                                   multiple=multiple, cp_size=cp, cp_rank=cp_rank))
+    if packed and pad_to:
+        unit = round_up(int(pad_to), multiple)
+        layouts = [m.padded_to(round_up(m.width, unit)) for m in layouts]
     return layouts
 
 

@@ -105,6 +105,7 @@ def plan_step(batch: RLBatch, cfg, bridge, par: Optional[_Par] = None, need_rout
     layouts = plan_microbatches(
         batch.lengths, packed=bool(t.packing), max_tokens=t.max_tokens_per_microbatch if t.packing else None,
         micro_batch_size=t.micro_batch_size, tp=par.tp, cp=par.cp, cp_rank=par.cp_rank, dp_group=par.dp_group,
+        pad_to=t.pad_packed_to,
     )
     plan = StepPlan(layouts)
     if need_routes:

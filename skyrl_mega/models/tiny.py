@@ -3,7 +3,8 @@
 In: a family name, an output directory and a size (tiny by default; SIZES holds the larger
 Qwen3-MoE shapes the GPU runs use). Out: that directory holding config.json, model.safetensors
 (seeded; fp32 unless a dtype is given) and a locally trained tokenizer; Qwen3.5-MoE also in its
-released multimodal layout (`multimodal=True`). Nothing is downloaded.
+released multimodal layout (`multimodal=True`); Qwen3.5-MoE and Nemotron 3 with one
+multi-token-prediction layer (`mtp=True`). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -152,18 +153,22 @@ FAMILIES = {
 
 
 def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtype: str = "float32",
-              device: str = "cpu", weights: bool = True, multimodal: bool = False, **config_overrides) -> str:
+              device: str = "cpu", weights: bool = True, multimodal: bool = False, mtp: bool = False,
+              **config_overrides) -> str:
     """Writes a random-weight checkpoint of `family` (shape `size`) to `out_dir`; returns out_dir.
     weights=False: config.json and the tokenizer only. multimodal=True (qwen3_5_moe): Qwen3.5's
     released layout, the text model under model.language_model.* beside a tiny vision tower
-    (vLLM 0.26 serves Qwen3.5-MoE only in this layout)."""
+    (vLLM 0.26 serves Qwen3.5-MoE only in this layout). mtp=True (qwen3_5_moe, nemotron3): one
+    multi-token-prediction layer as the released checkpoints hold it (add_mtp_layer)."""
+    if mtp and (family not in MTP_FAMILIES or not weights):
+        raise ValueError(f"mtp=True: only for {' and '.join(MTP_FAMILIES)}, with weights")
     if multimodal:
         if family != "qwen3_5_moe" or not weights:
             raise ValueError("multimodal=True: only for qwen3_5_moe, with weights")
         import tempfile
 
         with tempfile.TemporaryDirectory() as text_dir:
-            make_tiny(family, text_dir, seed, size, dtype, device, **config_overrides)
+            make_tiny(family, text_dir, seed, size, dtype, device, mtp=mtp, **config_overrides)
             return qwen3_5_multimodal_layout(text_dir, out_dir)
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
@@ -195,7 +200,11 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
                 row = model.get_input_embeddings().weight[config.pad_token_id]
                 row.copy_(torch.randn(row.shape, generator=torch.Generator().manual_seed(seed + 2))
                           * config.initializer_range)
+        if mtp:
+            MTP_FAMILIES[family](config)
         model.save_pretrained(out_dir)
+        if mtp:
+            add_mtp_layer(family, out_dir, config, seed)
     else:  # the class name only (vLLM picks its model by `architectures`): built on meta, nothing allocated
         with torch.device("meta"):
             config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]
@@ -205,6 +214,56 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}, f)
     return out_dir
+
+
+def _qwen3_5_mtp_config(config) -> None:
+    config.mtp_num_hidden_layers = 1
+
+
+def _nemotron3_mtp_config(config) -> None:
+    config.num_nextn_predict_layers = 1
+    config.mtp_layers_block_type = ["full_attention", "moe"]
+
+
+MTP_FAMILIES = {"qwen3_5_moe": _qwen3_5_mtp_config, "nemotron3": _nemotron3_mtp_config}
+
+
+def add_mtp_layer(family: str, out_dir: str, config, seed: int) -> None:
+    """Adds one MTP layer's tensors to the checkpoint in `out_dir`, named as vLLM's MTP models
+    load them, each a copy of a main layer's (the same kind) plus seeded noise, with the
+    projection of [embedding | hidden] (hidden x 2 hidden) and its norms:
+      qwen3_5_moe  mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm}, mtp.layers.0.* (a
+                   full-attention MoE layer)
+      nemotron3    mtp.layers.0.{enorm, hnorm, eh_proj} + an attention layer, mtp.layers.1.* (a
+                   MoE layer) + final_layernorm"""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    h, dtype = config.hidden_size, next(iter(tensors.values())).dtype
+    kinds = list(config.layer_types if family == "qwen3_5_moe" else config.layers_block_type)
+    prefix = "model.layers." if family == "qwen3_5_moe" else "backbone.layers."
+
+    def copy_of(kind: str, into: str) -> dict:
+        n = next(i for i, k in enumerate(kinds) if k == kind)
+        return {into + k[len(f"{prefix}{n}."):]: v for k, v in tensors.items() if k.startswith(f"{prefix}{n}.")}
+
+    if family == "qwen3_5_moe":
+        head = "mtp."
+        mtp = {**copy_of("full_attention", "mtp.layers.0."), **{f"mtp.{n}.weight": torch.zeros(h, dtype=dtype)
+               for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+    else:
+        head = "mtp.layers.0."
+        mtp = {**copy_of("full_attention", "mtp.layers.0."), **copy_of("moe", "mtp.layers.1."),
+               "mtp.layers.0.enorm.weight": torch.ones(h, dtype=dtype), "mtp.layers.0.hnorm.weight":
+               torch.ones(h, dtype=dtype), "mtp.layers.1.final_layernorm.weight": torch.ones(h, dtype=dtype)}
+    mtp[head + ("fc.weight" if family == "qwen3_5_moe" else "eh_proj.weight")] = torch.zeros(h, 2 * h, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 3)
+    for name, t in mtp.items():
+        if t.is_floating_point():
+            mtp[name] = t + (0.02 * torch.randn(t.shape, generator=g)).to(t.dtype)
+    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
 
 
 def qwen3_5_multimodal_layout(text_dir: str, out_dir: str) -> str:
@@ -224,7 +283,7 @@ def qwen3_5_multimodal_layout(text_dir: str, out_dir: str) -> str:
     cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
     os.makedirs(out_dir, exist_ok=True)
     cfg.save_pretrained(out_dir)
-    tensors = {(k if k == "lm_head.weight" else "model.language_model." + k[len("model."):]): v
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
                for k, v in load_file(os.path.join(text_dir, "model.safetensors")).items()}
     tensors["model.visual.patch_embed.proj.weight"] = torch.ones(32, 3, 2, 16, 16)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
