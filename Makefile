@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-all clean
+.PHONY: setup demo test test-slow test-all clean
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -12,6 +12,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -m "not slow and not gpu" --durations=40
+
+# the slow CPU tests (failure recovery, resume, two-node SLURM, memory-capped convert): CI runs them after `test`
+test-slow: setup
+	$(PY) -m pytest -q -m "slow and not gpu" --durations=20
 
 test-all: setup
 	$(PY) -m pytest -q

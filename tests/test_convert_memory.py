@@ -48,6 +48,7 @@ def big_model(tmp_path_factory):
     return make_tiny("qwen3_moe", str(tmp_path_factory.mktemp("convert_big") / "hf"), **BIG)
 
 
+@pytest.mark.slow
 def test_convert_streams_both_ways_bit_exact(big_model, tiny_qwen3_moe, tmp_path):
     size = os.path.getsize(os.path.join(big_model, "model.safetensors"))
     assert size > 300e6

@@ -12,7 +12,7 @@ from skyrl_mega.launcher import torchrun_cmd
 
 from .conftest import REPO
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.vllm]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.vllm, pytest.mark.slow]
 RECIPE = os.path.join(REPO, "recipes/qwen3_moe/tiny_cpu.yaml")
 
 

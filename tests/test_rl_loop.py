@@ -136,6 +136,7 @@ def test_qwen3_5_recipe_learns_with_r3(tiny_qwen3_5_moe, tmp_path):
     assert all(r["logprob_diff_mean"] < 0.02 for r in rows)  # bf16 engine vs fp32 trainer
 
 
+@pytest.mark.slow
 def test_qwen3_5_released_multimodal_layout_trains_its_text_model(tiny_qwen3_5_moe, tmp_path):
     """Qwen3.5-MoE's released checkpoints are vision-language (text model under
     model.language_model.*): the loop reads its text config (layer count for the routes), the
@@ -154,6 +155,7 @@ def test_qwen3_5_released_multimodal_layout_trains_its_text_model(tiny_qwen3_5_m
     assert "text_config" in exported and exported["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
 
 
+@pytest.mark.slow
 def test_kill_after_checkpoint_then_resume_is_exact(short, tiny_qwen3_moe):
     root, reference = short
     out = root / "killed"
@@ -175,6 +177,7 @@ def test_kill_after_checkpoint_then_resume_is_exact(short, tiny_qwen3_moe):
             assert resumed[step][key] == reference[step][key], (step, key)
 
 
+@pytest.mark.slow
 def test_vllm_server_killed_mid_run_is_restarted_and_run_completes(short, tiny_qwen3_moe):
     root, reference = short
     out = root / "server_killed"
@@ -187,6 +190,7 @@ def test_vllm_server_killed_mid_run_is_restarted_and_run_completes(short, tiny_q
     _assert_same_run(_metrics(out), reference, 6)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_process_and_keeps_the_last_checkpoint(tiny_qwen3_moe, tmp_path):
     import shutil
 
@@ -223,6 +227,7 @@ def test_ctrl_c_stops_every_process_and_keeps_the_last_checkpoint(tiny_qwen3_moe
     assert int(latest.rsplit("_", 1)[-1]) >= 2
 
 
+@pytest.mark.slow
 def test_bucketed_broadcast_transport_rejoins_a_restarted_server(short, tiny_qwen3_moe):
     """rollout.weight_transport=nccl on CPU: every sync runs the packed-bucket broadcast protocol
     over a gloo transfer group into the vLLM server's "skyrl_bucket" backend. A server killed
@@ -246,6 +251,7 @@ def test_bucketed_broadcast_transport_rejoins_a_restarted_server(short, tiny_qwe
         raise AssertionError(f"{e}\n--- trainer log tail ---\n{text[-4000:]}") from e
 
 
+@pytest.mark.slow
 def test_cuda_ipc_protocol_on_cpu_matches_the_shm_transport(short, tiny_qwen3_moe):
     """rollout.weight_transport=cuda_ipc on CPU: the co-located protocol (rounds of packed
     tensors named by handle and offset, here /dev/shm files instead of CUDA IPC handles) into the

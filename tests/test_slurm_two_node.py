@@ -21,7 +21,7 @@ import pytest
 
 from .conftest import REPO
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.vllm, pytest.mark.slurm]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.vllm, pytest.mark.slurm, pytest.mark.slow]
 
 CONF = os.environ.get("SLURM_TWO_NODE_CONF", "/tmp/skyrl-slurm2/slurm.conf")
 NODES = ("skyrl-n1", "skyrl-n2")

@@ -62,6 +62,7 @@ def _wait_generation_started(server_url, timeout_s, gave_up=lambda: False):
                          f"(waiting there: {_metric(text, 'num_requests_waiting')})")
 
 
+@pytest.mark.slow
 def test_server_crash_mid_rollout_is_restarted_and_rollout_completes(stack, hf):
     sm, url = stack["sm"], stack["router"].url
     server = sm.servers[0]
