@@ -7,11 +7,13 @@
 #   .pr/      this project's wheel
 #   .device/  tiny checkpoints (make-tiny) and their CPU stand-in logits
 #   .whl/     the vLLM 0.26.0 kit in six 60 MiB parts (../shared/gpu-vllm/make_parts.sh)
-# Usage: bench/device_kit.sh [pw|pr|device|whl ...]   (default: all; each step skips what exists)
+#   .te/      transformer-engine 2.20.2 for cu13: the core wheel in five 60 MiB parts (pNN), and in
+#             small/ its torch extension's sdist plus the runtime deps the image lacks (bench/h200_te.sh)
+# Usage: bench/device_kit.sh [pw|pr|device|whl|te ...]   (default: all but te; each step skips what exists)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$PWD/.venv/bin/python}
-for d in /.pw/ /.pr/ /.whl/ /.device/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
+for d in /.pw/ /.pr/ /.whl/ /.device/ /.te/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 P312="--python-version 3.12 --implementation cp --only-binary=:all: --platform any"
 for t in 2_39 2_35 2_34 2_31 2_28 2_27 2_24 2_17; do P312="$P312 --platform manylinux_${t}_x86_64"; done
 
@@ -56,5 +58,18 @@ device() {
 }
 
 whl() { [ -f .whl/p05/part.05 ] || bash ../shared/gpu-vllm/make_parts.sh .whl; cp ../shared/gpu-vllm/install_parts.sh .whl/; }
+
+te() {
+  [ -f .te/p04/part.04 ] && [ -d .te/small ] && return 0
+  local t; t=$(mktemp -d); mkdir -p .te/small
+  $PY -m pip download -q --no-deps $P312 -d "$t" transformer-engine-cu13==2.20.2
+  $PY -m pip download -q --no-deps $P312 -d .te/small einops==0.8.2 onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 \
+    ml-dtypes==0.7.0 protobuf==7.36.2 pybind11==3.1.0 ninja==1.13.2 nvdlfw-inspect==0.2.2 nvidia-cudnn-frontend==1.32.0 pyyaml==6.0.4
+  sdist transformer-engine-torch 2.20.2 .te/small
+  ( cd .te && cat "$t"/transformer_engine_cu13-*.whl | split -b 62914560 -d -a 2 - part. \
+    && sha256sum "$t"/transformer_engine_cu13-*.whl | cut -c1-64 > SUM \
+    && for f in part.*; do mkdir -p "p${f#part.}" && mv "$f" "p${f#part.}/"; done && mv SUM p00/ )
+  rm -rf "$t"; du -sh .te/*
+}
 
 for step in ${@:-pw pr device whl}; do "$step"; done
