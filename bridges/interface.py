@@ -38,6 +38,17 @@ def register_bridge(model_type: str, target: str) -> None:
     _REGISTRY[model_type] = target
 
 
+def config_problems(hf_path: str) -> list[str]:
+    """What the family's bridge would refuse in this HF checkpoint's config (its module's
+    `unsupported(config)`, one reason each), read before any rank starts; [] when none."""
+    from transformers import AutoConfig
+
+    hf = fix_hf_config(AutoConfig.from_pretrained(hf_path))
+    target = _REGISTRY.get(hf.model_type)
+    check = getattr(importlib.import_module(target.split(":")[0]), "unsupported", None) if target else None
+    return list(check(fix_hf_config(hf.get_text_config()))) if check else []
+
+
 class ModelBridge:
     """Build / load / export a Megatron model for one HF checkpoint."""
 

@@ -36,6 +36,19 @@ def test_validate_names_bad_algorithm_names_and_cp_on_a_hybrid(tiny_nemotron3, c
     assert "parallel.cp=2" in err and "Mamba2" in err and "parallel.cp=1" in err
 
 
+def test_a_config_the_bridge_cannot_build_is_one_line_before_any_rank(tmp_path, capsys):
+    """Before, `convert` started torchrun and each rank died with a ValueError traceback."""
+    from skyrl_mega.models.tiny import make_tiny
+
+    hf = make_tiny("nemotron3", str(tmp_path / "latent"), moe_latent_size=16)
+    capsys.readouterr()  # make-tiny's own progress lines
+    rc = cli.main(["convert", "hf-to-mcore", hf, str(tmp_path / "out"), "--nproc", "2"])
+    err, lines = _problems(capsys)
+    assert rc == 2 and len(lines) == 1, err
+    assert "moe_latent_size=16" in err and f"{hf}/config.json" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not dist.is_initialized()
+
+
 def test_cp_is_valid_on_the_local_and_fast_specs(tiny_qwen3_moe, capsys):
     for spec in ("local", "fast"):
         rc = cli.main(["validate", "--recipe", RECIPE, f"model.path={tiny_qwen3_moe}", "parallel.cp=2",

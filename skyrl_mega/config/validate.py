@@ -126,6 +126,13 @@ def model_layout_problems(cfg, hf: dict[str, Any]) -> list[str]:
     return out
 
 
+def family_problems(path: str) -> list[str]:
+    """What the model family's bridge cannot build from this checkpoint's config."""
+    from bridges.interface import config_problems
+
+    return [f"model.path: {path}/config.json: {p}" for p in config_problems(path)]
+
+
 def validate_config(cfg, world_size: Optional[int] = None, hf: Optional[dict] = None, *,
                     for_training: bool = False, probe_engines: bool = False) -> None:
     """Raises ConfigError listing every problem; returns None when the config is usable."""
@@ -133,7 +140,7 @@ def validate_config(cfg, world_size: Optional[int] = None, hf: Optional[dict] = 
     problems = model_problems(cfg) + layout_problems(cfg, world)
     hf = hf if hf is not None else read_hf_config(cfg.model.path)
     if hf is not None:
-        problems += model_layout_problems(cfg, hf)
+        problems += model_layout_problems(cfg, hf) + family_problems(cfg.model.path)
     problems += field_problems(cfg, for_training=for_training, probe_engines=probe_engines)
     if len(problems) == 1:
         raise ConfigError(f"invalid config: {problems[0]}")
