@@ -63,7 +63,8 @@ te() {
   [ -f .te/p04/part.04 ] && [ -d .te/small ] && return 0
   local t; t=$(mktemp -d); mkdir -p .te/small
   $PY -m pip download -q --no-deps $P312 -d "$t" transformer-engine-cu13==2.20.2
-  $PY -m pip download -q --no-deps $P312 -d .te/small einops==0.8.2 onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 \
+  # transformer-engine (the 1 MB meta package): TE's import asserts its distribution is installed
+  $PY -m pip download -q --no-deps $P312 -d .te/small transformer-engine==2.20.2 einops==0.8.2 onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 \
     ml-dtypes==0.7.0 protobuf==7.36.2 pybind11==3.1.0 ninja==1.13.2 nvdlfw-inspect==0.2.2 nvidia-cudnn-frontend==1.32.0 pyyaml==6.0.4
   sdist transformer-engine-torch 2.20.2 .te/small
   ( cd .te && cat "$t"/transformer_engine_cu13-*.whl | split -b 62914560 -d -a 2 - part. \
