@@ -23,9 +23,13 @@ case "$1" in
     rm -rf /tmp/te-src && mkdir -p /tmp/te-src && tar xzf .te/small/transformer_engine_torch-*.tar.gz -C /tmp/te-src
     [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
     nvcc --version | tail -2; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+    # a wheel, unpacked into $T: `pip install --target` skips a top-level folder that exists
+    # (transformer_engine/, the core's), and the extension's .so goes into it
+    rm -rf /tmp/te-wheel
     ( cd /tmp/te-src/* && time NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 MAX_JOBS=16 NVTE_BUILD_THREADS_PER_JOB=1 \
-        python3 -m pip install -v --no-index --no-deps --no-build-isolation --target $T . ) 2>&1 | \
+        python3 -m pip wheel -v --no-index --no-deps --no-build-isolation -w /tmp/te-wheel . ) 2>&1 | \
         grep -v "^ *\(copying\|creating\|adding\)" | tail -60
+    python3 -m zipfile -e /tmp/te-wheel/transformer_engine_torch-*.whl $T
     python3 -c "import transformer_engine.pytorch as te, transformer_engine; print('transformer_engine.pytorch imports', transformer_engine.__version__)" ;;
   *) echo "usage: $0 stash DIR | install | build"; exit 2 ;;
 esac
