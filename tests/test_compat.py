@@ -29,7 +29,8 @@ def probe(tmp_path_factory):
 @pytest.mark.multiprocess
 def test_all_patches_applied_once(probe):
     assert sorted(probe["applied"]) == sorted(
-        ["cuda_stubs", "te_general_gemm", "gloo_all_to_all", "rng_tracker", "cuda_to_cpu_mode"])
+        ["cuda_stubs", "te_general_gemm", "gloo_all_to_all", "gloo_uneven_all_gather", "rng_tracker",
+         "cuda_to_cpu_mode"])
     assert probe["idempotent"]
 
 
@@ -39,6 +40,7 @@ def test_all_patches_applied_once(probe):
     "cuda_factory_on_cpu", "dot_cuda_identity", "float_type_reported_cuda", "to_cuda_stays_cpu",  # mode
     "te_general_gemm_none",  # te_general_gemm
     "gloo_all_to_all_tensor_splits",  # gloo_all_to_all
+    "gloo_uneven_all_gather_rows",  # gloo_uneven_all_gather
     "fork_restores_outer_state", "fork_stream_advances", "fork_uses_tp_rank_seed",  # rng_tracker
     "tp_ranks_differ", "states_round_trip",
 ])

@@ -1,7 +1,8 @@
 """RL train step on real torchrun gloo ranks: packing, vocab-parallel logprobs, R3, one update.
 
-One torchrun per layout (world size 1, TP=2 with SP, EP=2, PP=2) runs
-tests/workers/train_step_worker.py on the same 8 mixed-length samples. The samples' rollout
+One torchrun per layout (world size 1, TP=2 with SP, EP=2, PP=2; and, marked slow, four ranks:
+TP=2 x EP=2, PP=2 x EP=2) runs tests/workers/train_step_worker.py on the same 8 mixed-length
+samples, each layout's run the first time a selected test needs it. The samples' rollout
 logprobs and routed experts come from transformers (float64 logprobs; top-k of the HF router
 with the original weights, the engine's L-1 rows), like a rollout engine would report them.
 """
@@ -16,12 +17,21 @@ from safetensors.torch import load_file, save_file
 from skyrl_mega.launcher import run_torchrun
 
 from .conftest import REPO
+from .support.lazy_runs import LazyRuns
 
 pytestmark = pytest.mark.multiprocess
 LAYOUTS = {"ws1": (1, []), "tp2": (2, ["parallel.tp=2"]), "ep2": (2, ["parallel.ep=2"]),
            "pp2": (2, ["parallel.pp=2"]),
            # packed rows padded to multiples of 40 tokens (train.pad_packed_to): the same numbers
-           "ws1_pad40": (1, ["train.pad_packed_to=40"])}
+           "ws1_pad40": (1, ["train.pad_packed_to=40"]),
+           # four ranks (slow: `make test-slow`): expert parallel inside tensor / pipeline parallel
+           "tp2ep2": (4, ["parallel.tp=2", "parallel.ep=2"]), "pp2ep2": (4, ["parallel.pp=2", "parallel.ep=2"])}
+WS4 = ("tp2ep2", "pp2ep2")
+
+
+def layouts(*names):
+    """The named layouts (all by default) as parameters; the four-rank ones marked slow."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in WS4 else n for n in (names or LAYOUTS)]
 LENGTHS = [5, 27, 9, 40, 12, 3, 22, 14]
 TEMPERATURE = 0.9  # the worker's algorithm.temperature
 
@@ -50,17 +60,18 @@ def make_inputs(model_path, out_file):
 
 @pytest.fixture(scope="module")
 def runs(tiny_qwen3_moe, tmp_path_factory):
+    """Layout -> its worker run's outputs, each run the first time a test asks for it."""
     inputs = make_inputs(tiny_qwen3_moe, str(tmp_path_factory.mktemp("inputs") / "inputs.safetensors"))
-    out = {}
-    for name, (nproc, extra) in LAYOUTS.items():
+
+    def run(name):
+        nproc, extra = LAYOUTS[name]
         d = tmp_path_factory.mktemp(name)
         run_torchrun(os.path.join(REPO, "tests/workers/train_step_worker.py"), nproc,
                      [str(d), inputs, f"model.path={tiny_qwen3_moe}", *extra],
-                     timeout=400, log_file=str(d / "log.txt"))
-        out[name] = {"dir": d, "checks": json.load(open(d / "checks.json")),
-                     "metrics": json.load(open(d / "metrics.json"))}
-    out["inputs"] = inputs
-    return out
+                     timeout=600, log_file=str(d / "log.txt"))
+        return {"dir": d, "checks": json.load(open(d / "checks.json")), "metrics": json.load(open(d / "metrics.json"))}
+
+    return LazyRuns(run, inputs=inputs)
 
 
 def _logprobs(run, kind):
@@ -68,7 +79,7 @@ def _logprobs(run, kind):
     return [t[f"{kind}_{i}"] for i in range(len(LENGTHS))]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", layouts())
 def test_packed_equals_padded_logprobs(runs, layout):
     packed, padded = _logprobs(runs[layout], "packed"), _logprobs(runs[layout], "padded")
     for i, n in enumerate(LENGTHS):
@@ -77,7 +88,7 @@ def test_packed_equals_padded_logprobs(runs, layout):
         assert (packed[i] - padded[i]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2"])
+@pytest.mark.parametrize("layout", layouts("tp2", "ep2", "pp2", *WS4))
 def test_logprobs_equal_world_size_one(runs, layout):
     ref = _logprobs(runs["ws1"], "packed")
     for a, b in zip(_logprobs(runs[layout], "packed"), ref):
@@ -98,7 +109,7 @@ def test_logprobs_match_transformers(runs):
         assert (lp - inputs[f"rollout_{i}"]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2", "ws1_pad40"])
+@pytest.mark.parametrize("layout", layouts("tp2", "ep2", "pp2", "ws1_pad40", *WS4))
 def test_rl_update_matches_world_size_one(runs, layout):
     ref, got = runs["ws1"]["metrics"], runs[layout]["metrics"]
     if layout == "ws1_pad40":  # the rows were padded: more positions, each row a multiple of 40
@@ -125,7 +136,7 @@ def test_rl_update_moves_weights_and_reports(runs, tiny_qwen3_moe):
     assert m["r3/coverage"] == 1.0
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", layouts())
 def test_nonfinite_loss_skips_update(runs, layout):
     c = runs[layout]["checks"]
     assert c["nan_skipped"] == 1.0
@@ -140,7 +151,7 @@ def test_token_mean_gradient_is_split_invariant(runs):
     assert c["grad_diff_pad_4x2"] < 1e-6 * max(1.0, c["grad_norm_1x8"])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", layouts())
 def test_recompute_replays_the_same_routes(runs, layout):
     """Full activation recompute + R3: the backward recompute pops REPLAY_BACKWARD routes and the
     gradients equal the ones without recompute."""
@@ -150,14 +161,14 @@ def test_recompute_replays_the_same_routes(runs, layout):
     assert c["grad_diff_recompute"] < 1e-6 * max(1.0, c["grad_norm_1x8"])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", layouts())
 def test_r3_replays_recorded_routing(runs, layout):
     c = runs[layout]["checks"]
     moe_layers = 3
     assert c["r3_checked"] == moe_layers * sum(n - 1 for n in LENGTHS)  # every routed token, every layer
     assert c["r3_replay_mismatch"] == 0
     assert c["r3_live_mismatch"] > 0  # the perturbed router alone routes differently
-    if layout == "tp2":  # sequences padded to a multiple of TP: padding rows got distinct valid experts
+    if layout.startswith("tp2"):  # sequences padded to a multiple of TP: padding rows got distinct valid experts
         assert c["r3_pad_rows"] > 0
     assert c["r3_min_router_grad_norm"] > 0  # routers still receive gradients under replay
     assert c["global_replay_instances_after_attach"] == 0

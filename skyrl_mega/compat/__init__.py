@@ -12,6 +12,7 @@ parallel.init_distributed, without CUDA only:
   te_general_gemm   moe_utils uses te_general_gemm undefined without TE (0.17 defines it
                     as None itself)                                         >=0.16.1,<0.17
   gloo_all_to_all   EP dispatch hands gloo tensor split sizes; gloo takes lists  >=0.16.1
+  gloo_uneven_all_gather  expert-TP dispatch all-gathers uneven token counts; gloo takes equal sizes  >=0.16.1
   rng_tracker       megatron's CUDA RNG tracker (and dist-ckpt's CUDA RNG state) kept as
                     CPU generator states                                      >=0.16.1
   cuda_to_cpu_mode  device="cuda" / .cuda() map to CPU; CPU float tensors report

@@ -39,6 +39,10 @@ SHIMS = (
     Shim("megatron_core", "gloo_all_to_all", "megatron-core", ">=0.16.1", _READ,
          "the EP token dispatcher passes CPU tensors as all_to_all_single split sizes; gloo "
          "takes only python lists", _TEST + "test_patch_behaviour", _NO_CUDA),
+    Shim("megatron_core", "gloo_uneven_all_gather", "megatron-core", ">=0.16.1", _READ,
+         "with expert tensor parallelism the alltoall dispatcher all-gathers each TP rank's token "
+         "count (output_split_sizes: uneven sizes); gloo's all_gather takes equal sizes only",
+         _TEST + "test_patch_behaviour", _NO_CUDA),
     Shim("megatron_core", "rng_tracker", "megatron-core", ">=0.16.1", _READ,
          "CudaRNGStatesTracker keeps CUDA generator states; on CPU it keeps CPU generator states "
          "(also for dist-ckpt's saved 'cuda' RNG states)", _TEST + "test_patch_behaviour", _NO_CUDA),
@@ -62,7 +66,8 @@ SHIMS = (
 )
 SHIMS_BY_NAME = {s.name: s for s in SHIMS}
 # the CPU shims, in the order apply_cpu_shims applies them
-CPU_SHIMS = ("cuda_stubs", "te_general_gemm", "gloo_all_to_all", "rng_tracker", "cuda_to_cpu_mode")
+CPU_SHIMS = ("cuda_stubs", "te_general_gemm", "gloo_all_to_all", "gloo_uneven_all_gather", "rng_tracker",
+             "cuda_to_cpu_mode")
 
 # megatron-core config for CPU: no fused kernels (they need CUDA, apex or TE) and CPU init
 CPU_CONFIG = dict(
@@ -261,8 +266,37 @@ def _gloo_all_to_all() -> bool:
     return True
 
 
+def _gloo_uneven_all_gather() -> bool:
+    import torch.distributed as dist
+
+    original = dist.all_gather
+    if getattr(original, "_skyrl_uneven", False):
+        return True
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] if t.dim() else 0 for t in tensor_list]
+        if async_op or tensor.dim() == 0 or len(set(rows)) <= 1:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        # uneven first dims: gather each rank's tensor padded to the longest, then trim
+        longest = max(rows)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        full = [tensor.new_empty((longest, *tensor.shape[1:])) for _ in tensor_list]
+        work = original(full, padded, group=group)
+        for out, got, n in zip(tensor_list, full, rows):
+            out.copy_(got[:n])
+        return work
+
+    all_gather._skyrl_uneven = True
+    # megatron calls it as torch.distributed.all_gather (mappings._gather_along_first_dim)
+    dist.all_gather = all_gather
+    return True
+
+
 _CPU_STEPS = {"cuda_stubs": _cuda_stubs, "te_general_gemm": _te_general_gemm,
-              "gloo_all_to_all": _gloo_all_to_all, "rng_tracker": _rng_tracker,
+              "gloo_all_to_all": _gloo_all_to_all, "gloo_uneven_all_gather": _gloo_uneven_all_gather,
+              "rng_tracker": _rng_tracker,
               "cuda_to_cpu_mode": _cuda_to_cpu_mode}
 
 

@@ -35,6 +35,8 @@ def needs_before_shims(results):
     splits = torch.full((dist.get_world_size(),), 2)
     results["needed_gloo_all_to_all"] = _raises(
         lambda: dist.all_to_all_single(out, torch.ones_like(out), splits, splits))
+    results["needed_gloo_uneven_all_gather"] = _raises(lambda: dist.all_gather(
+        [torch.empty(1 + r, 3) for r in range(dist.get_world_size())], torch.ones(1 + dist.get_rank(), 3)))
 
 
 def main():
@@ -81,6 +83,17 @@ def main():
     dist.all_to_all_single(out, inp, recv_counts, send_counts)
     expected = torch.cat([torch.full((int(c),), float(10 * src + rank)) for src, c in enumerate(recv_counts)])
     results["gloo_all_to_all_tensor_splits"] = bool(torch.equal(out, expected))
+
+    # gloo_uneven_all_gather: rank r holds 1 + r rows of value r (megatron's path with split sizes)
+    from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
+
+    mine = torch.full((1 + rank, 3), float(rank))
+    got = _gather_along_first_dim(mine, dist.group.WORLD, output_split_sizes=[1 + r for r in range(world)])
+    want = torch.cat([torch.full((1 + r, 3), float(r)) for r in range(world)])
+    even = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(even, torch.full((2,), float(rank)))
+    results["gloo_uneven_all_gather_rows"] = bool(torch.equal(got, want)) and all(
+        torch.equal(t, torch.full((2,), float(r))) for r, t in enumerate(even))
 
     # rng_tracker through megatron's own seeding
     from megatron.core import parallel_state as mpu

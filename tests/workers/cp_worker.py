@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from skyrl_mega.config import load_config, validate_config
 from skyrl_mega.megatron import parallel
 from skyrl_mega.megatron import train_step as ts
+from skyrl_mega.megatron.packing import shard_for_dp
 from skyrl_mega.megatron.policy import build_policy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -41,15 +42,24 @@ def main():
     par = ts._Par.current(bridge.config)
     plan = ts.plan_step(batch, cfg, bridge, par, need_routes=True)
     lps = ts.compute_logprobs(policy, batch, cfg, plan, replay=True)
-    batch.old_logprobs = [x.detach() for x in lps]
-    ts.forward_backward(policy, batch, cfg, plan)
+    # the update on this data-parallel rank's share of the batch (all of it without DP)
+    from megatron.core import parallel_state as mpu
+
+    mine = shard_for_dp(batch.lengths, mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
+    batch = batch.select(mine)
+    batch.old_logprobs = [lps[i].detach() for i in mine]
+    ts.forward_backward(policy, batch, cfg, ts.plan_step(batch, cfg, bridge, par, need_routes=True))
     grads = flat_grads(policy.models)
+    # the non-expert parameters' gradients, by name (under EP a rank holds its own experts only)
+    dense_grads = torch.cat([p.main_grad.detach().float().flatten() for m in policy.models
+                             for n, p in sorted(m.named_parameters()) if ".experts." not in n])
     batch.old_logprobs = None
     metrics = ts.train_step(policy, batch, cfg)
     exported = {name: t.detach().float().cpu().contiguous() for name, t in bridge.export_hf(policy.models)}
     if rank == 0:
         tensors = {f"lp_{i}": lp.float().contiguous() for i, lp in enumerate(lps)}
         tensors["grads"] = grads.cpu().contiguous()
+        tensors["dense_grads"] = dense_grads.cpu().contiguous()
         tensors.update({f"w.{k}": v for k, v in exported.items()})
         save_file(tensors, os.path.join(out_dir, "cp.safetensors"))
         with open(os.path.join(out_dir, "cp.json"), "w") as f:
