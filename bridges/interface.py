@@ -41,12 +41,18 @@ def register_bridge(model_type: str, target: str) -> None:
 def config_problems(hf_path: str) -> list[str]:
     """What the family's bridge would refuse in this HF checkpoint's config (its module's
     `unsupported(config)`, one reason each), read before any rank starts; [] when none."""
+    import json
+    import os
+
     from transformers import AutoConfig
 
-    hf = fix_hf_config(AutoConfig.from_pretrained(hf_path))
-    target = _REGISTRY.get(hf.model_type)
+    with open(os.path.join(hf_path, "config.json")) as f:
+        target = _REGISTRY.get(json.load(f).get("model_type"))
     check = getattr(importlib.import_module(target.split(":")[0]), "unsupported", None) if target else None
-    return list(check(fix_hf_config(hf.get_text_config()))) if check else []
+    if check is None:  # no bridge (reported where the model type is checked) or nothing to check
+        return []
+    hf = fix_hf_config(AutoConfig.from_pretrained(hf_path))
+    return list(check(fix_hf_config(hf.get_text_config())))
 
 
 class ModelBridge:
