@@ -51,3 +51,12 @@ def test_lookup_raises_when_a_parameter_is_gone():
     with pytest.raises(KeyError, match="decoder.1.bias"):
         idx.lookup()
     assert idx.get(idx.pos[(0, "decoder.1.bias")]) is None
+
+
+def test_chunked_map_equals_map_across_chunk_boundaries(monkeypatch):
+    from skyrl_mega.weight_sync import params
+
+    monkeypatch.setattr(params, "MAP_CHUNK", 4)
+    for n in (0, 1, 4, 5, 9, 12):
+        a, b = list(range(n)), list(range(100, 100 + n + 3))
+        assert params.chunked_map(lambda x, y: (x, y), a, b) == list(zip(a, b))

@@ -29,6 +29,7 @@ Endpoints (vLLM 0.30.0 with VLLM_SERVER_DEV_MODE=1, vllm/entrypoints/serve/dev/*
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -61,12 +62,87 @@ def http_json(method: str, url: str, body: Any = None, timeout_s: float = 60.0) 
         if isinstance(reason, TimeoutError):
             raise RolloutTimeoutError(f"{method} {url}: no answer within {timeout_s:.0f}s") from None
         raise RolloutConnectionError(f"{method} {url}: {reason}") from None
+    return _decoded(method, url, raw)
+
+
+def _decoded(method: str, url: str, raw: bytes) -> Any:
     if not raw.strip():
         return None
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
         raise RolloutResponseError(f"{method} {url}: body is not JSON: {raw[:200]!r}") from None
+
+
+class KeptAliveJson:
+    """JSON POSTs to one server over one kept-alive HTTP connection: the calls of one weight
+    sync, a few milliseconds apart, skip a TCP connect and urllib's set-up each. A connection
+    idle for `idle_s` or more is replaced before it is used again (servers close idle ones:
+    uvicorn after 5 s), so no request goes out on a connection the server may be closing. The
+    same errors as http_json; after any error the connection is dropped. A call made while
+    another is in flight (an abort's finish beside a blocked receive) goes on a connection of
+    its own."""
+
+    def __init__(self, base_url: str, idle_s: float = 1.0):
+        u = urllib.parse.urlsplit(base_url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"KeptAliveJson needs an http://host:port URL, got {base_url!r}")
+        self.base = base_url.rstrip("/")
+        self.host, self.port, self.idle_s = u.hostname, u.port or 80, idle_s
+        self._conn = None
+        self._last = 0.0
+        self._busy = threading.Lock()
+
+    def post(self, path: str, body: Any, timeout_s: float) -> Any:
+        url = self.base + path
+        if not self._busy.acquire(blocking=False):
+            return http_json("POST", url, body, timeout_s)
+        try:
+            return self._post(url, path, body, timeout_s)
+        finally:
+            self._busy.release()
+
+    def _post(self, url: str, path: str, body: Any, timeout_s: float) -> Any:
+        import http.client
+        import time
+
+        if self._conn is not None and time.monotonic() - self._last >= self.idle_s:
+            self.close()
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        self._conn.timeout = timeout_s
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(timeout_s)
+        headers = {**client_headers(), "content-type": "application/json"}
+        data = json.dumps(body).encode()
+        try:
+            try:
+                self._conn.request("POST", path, body=data, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):
+                # the server had closed this kept connection before the request went out (it
+                # never saw it): once more on a new connection
+                self.close()
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+                self._conn.request("POST", path, body=data, headers=headers)
+            r = self._conn.getresponse()
+            raw = r.read()
+        except TimeoutError:
+            self.close()
+            raise RolloutTimeoutError(f"POST {url}: no answer within {timeout_s:.0f}s") from None
+        except (http.client.HTTPException, OSError) as e:
+            self.close()
+            raise RolloutConnectionError(f"POST {url}: {e!r}") from None
+        self._last = time.monotonic()
+        if r.will_close or r.status >= 400:  # servers may drop a connection after an error
+            self.close()
+        if r.status >= 400:
+            raise RolloutHTTPError(url, r.status, raw.decode("utf-8", "replace"))
+        return _decoded("POST", url, raw)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 class EngineControl:

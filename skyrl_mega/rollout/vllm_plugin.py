@@ -137,6 +137,7 @@ class SkyrlWorkerExtension:
         """Steps of one weight update in one round trip, through the worker's own methods (so
         vLLM's checks of a session hold): start if asked, one update_weights round if given,
         finish if asked (then `version` becomes the served version, where vLLM keeps none)."""
+        t_in = time.monotonic()
         c = json.loads(call)
         unknown = set(c) - {"start", "update_info", "finish", "version"}
         if unknown:
@@ -149,7 +150,11 @@ class SkyrlWorkerExtension:
             self.finish_weight_update()
             if c.get("version") is not None:
                 self._skyrl_served_version = str(c["version"])
-        return {"weight_version": getattr(self, "_skyrl_served_version", None)}
+        out = {"weight_version": getattr(self, "_skyrl_served_version", None),
+               "at": [t_in, time.monotonic()]}  # this host's monotonic clock: the sender's timeline
+        if c.get("finish"):
+            out["copy_ms"] = list(getattr(getattr(self, "weight_transfer_engine", None), "last_copy_ms", None) or [])
+        return out
 
     def skyrl_served_weight_version(self) -> dict:
         return {"weight_version": getattr(self, "_skyrl_served_version", None)}

@@ -35,8 +35,10 @@ import torch.distributed as dist
 
 from .collectives import FlagRound, expert_group, gather_rows, p2p
 from .ipc_handles import byte_runs, storage_bytes
+from .params import chunked_map
 from .peer_gather import PeerExperts
-from .plan import HEADER_BYTES, BucketPlan, BucketSpec, TensorSlot, bucket_tensors, flat_bytes, global_expert_name
+from .plan import (HEADER_BYTES, BucketPlan, BucketSpec, DirectRefs, TensorSlot, bucket_tensors, flat_bytes,
+                   global_expert_name)
 from .plan_check import PlanCheck
 from .slot_pool import SlotPool
 
@@ -74,7 +76,8 @@ class BucketExporter:
         # expert gather: NCCL point-to-point, or intra-node IPC reads (peer_gather.py)
         self.peers = PeerExperts(gather, self.flags)
         self._pool: SlotPool | None = None  # for non-zero stage leaders (their bucket before the send)
-        self._direct_cache: dict = {}
+        self._direct_cache: dict = {}  # bucket index -> (plan, DirectRefs, positions, addresses)
+        self._direct_keys = 0  # DirectRefs keys handed out (each cached list gets a new one)
         self._runs_cache: dict = {}
         self._view_cache: dict = {}  # (vpp, name) -> ((data_ptr, shape, dtype), HF views); see _views
         self._planned = False  # plan() ran for the next iter_buckets
@@ -155,7 +158,7 @@ class BucketExporter:
                     if b.kind == "dense":
                         self._dense(b, ctx, params, leader, dest, layout, direct)
                     else:
-                        self._experts(b, ctx, params, leader, dest, layout, direct)
+                        direct = self._experts(b, ctx, params, leader, dest, layout, direct)
                 if b.stage != 0 and nbytes:
                     if rank == leader:
                         reqs = p2p([dist.P2POp(dist.isend, dest, 0, ctx.pp_group)])
@@ -167,7 +170,7 @@ class BucketExporter:
                 yield b, (dest if rank == 0 else None), direct
         # after the last bucket: this rank's sweep, then every rank learns whether any saw a change
         stale, ts = params.sweep()
-        stale = stale or self.peers.moved(plan, self.check.index, ts)
+        stale = stale or self._direct_moved(plan, ts) or self.peers.moved(plan, self.check.index, ts)
         self.peers.done()
         self.stale_seen = bool(self.flags.max(int(stale)))
 
@@ -216,25 +219,15 @@ class BucketExporter:
             for pos, si in u.slots:
                 self._place(b.tensors[si], outs[pos], dest, layout, direct, p)
 
-    def _experts(self, b: BucketSpec, ctx, params, leader, dest, layout, direct) -> None:
+    def _experts(self, b: BucketSpec, ctx, params, leader, dest, layout, direct) -> list:
+        """Fills (or gathers toward the leader) one expert bucket; returns its direct tensors."""
         if not ctx.expert_part:
-            return
+            return direct
         g = b.experts
         members = len(b.experts.slots)
         ranks = dist.get_process_group_ranks(ctx.expert_group) if members > 1 else [leader]
         if members == 1 and layout == "ipc" and all(t.direct for t in b.tensors):
-            # unchecked here (the engine reads them; nothing is copied on this side): the sweep
-            # after the last bucket checks them while the engine copies
-            local = [params.raw((g.vpp, p.local_name)) for p in g.params]
-            # no gather, nothing packed: the sender's own experts are the HF tensors, at byte
-            # offsets the plan already knows (no per-tensor conversion call)
-            cache = self._direct_cache.get(b.index)
-            if cache is None or cache[0] is not ctx.plan:
-                cache = self._direct_cache[b.index] = (ctx.plan, [
-                    [(b.tensors[si], b.tensors[si].offset - HEADER_BYTES - p.offset) for si in idx]
-                    for p, idx in zip(g.params, g.slots[0])])
-            direct.extend(zip(local, cache[1]))
-            return
+            return self._direct_experts(b, ctx.plan, params)
         local = [params[(g.vpp, p.local_name)] for p in g.params]
         peer = self.peers.active
         if g.in_place and peer is not None:
@@ -253,7 +246,7 @@ class BucketExporter:
                     mine[pos: pos + n].copy_(src)
                 if not self.peer_rows_first:
                     peer.copy_rows(b.index, rows)
-            return
+            return direct
         if g.in_place:
             runs = self._row_runs(b.index, local)
             rows = None
@@ -269,7 +262,7 @@ class BucketExporter:
                 send = torch.cat([src for src, _, _ in runs])
             if members > 1:
                 gather_rows(send, rows, leader, ranks, ctx.expert_group)
-            return
+            return direct
         # staged (ETP>1 or a conversion that is not a contiguous view)
         send = torch.cat([flat_bytes(t) for t in local])
         staging = None
@@ -282,7 +275,7 @@ class BucketExporter:
         else:
             rows[0].copy_(send)
         if ctx.rank != leader:
-            return
+            return direct
         ep_members = ctx.plan.ep_members
         per_rank = int(self.impl.config.num_moe_experts) // max(1, len({e for e, _ in ep_members}))
         by_ep: dict[int, list[int]] = {}
@@ -297,6 +290,37 @@ class BucketExporter:
                 _, outs = self.impl._weight_to_hf_format(name, full)
                 for si, o in zip(g.slots[mem[0]][pi], outs):
                     self._place(b.tensors[si], o, dest, layout, direct)
+        return direct
+
+    def _direct_experts(self, b: BucketSpec, plan: BucketPlan, params) -> DirectRefs:
+        """A layer's experts that stay in this rank's parameters (no gather, nothing packed: the
+        sender's own experts are the HF tensors, at byte offsets the plan already knows). Looked
+        up on the plan's first sync; later syncs hand out the same cached DirectRefs without
+        touching the tensors (a microsecond each, thousands per model, before the first round
+        can leave): the sweep after the last bucket checks that they still sit where they sat
+        (`_direct_moved`), while the engine copies."""
+        cache = self._direct_cache.get(b.index)
+        if cache is None or cache[0] is not plan:
+            g = b.experts
+            pos = params.positions([(g.vpp, p.local_name) for p in g.params])
+            local = params.raw_many(pos)
+            refs = DirectRefs(zip(local, [
+                [(b.tensors[si], b.tensors[si].offset - HEADER_BYTES - p.offset) for si in idx]
+                for p, idx in zip(g.params, g.slots[0])]))
+            self._direct_keys += 1
+            refs.key = ("experts", b.index, self._direct_keys)
+            cache = self._direct_cache[b.index] = (plan, refs, pos, [t.data_ptr() for t in local])
+        return cache[1]
+
+    def _direct_moved(self, plan: BucketPlan, ts: list[torch.Tensor] | None) -> bool:
+        """After the last bucket: did a tensor handed out from the direct cache move (replaced,
+        `p.data = ...`)? Compared against the sweep's fresh lookup in C-level passes."""
+        if ts is None:
+            return False
+        for cplan, _, pos, ptrs in self._direct_cache.values():
+            if cplan is plan and chunked_map(torch.Tensor.data_ptr, chunked_map(ts.__getitem__, pos)) != ptrs:
+                return True
+        return False
 
     def _views(self, u, p: torch.Tensor) -> list[torch.Tensor]:
         """The HF tensors of an unsharded parameter. When every one is a view of the parameter's

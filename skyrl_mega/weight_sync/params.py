@@ -63,7 +63,7 @@ class ParamIndex:
 
     def lookup(self) -> list[torch.Tensor]:
         """Every tensor, in `keys` order, read again from its owner; KeyError if one is gone."""
-        ts = list(map(dict.get, map(getattr, self._mods, self._kinds), self._attrs))
+        ts = chunked_map(dict.get, chunked_map(getattr, self._mods, self._kinds), self._attrs)
         for i, t in enumerate(ts):
             if t is None:
                 raise KeyError(self.keys[i][1])
@@ -76,7 +76,23 @@ class ParamIndex:
     @staticmethod
     def shapes(ts: list[torch.Tensor]) -> list[tuple]:
         """(shape, dtype) of each tensor: with `keys`, this rank's plan signature."""
-        return list(map(_SHAPE_DTYPE, ts))
+        return chunked_map(_SHAPE_DTYPE, ts)
 
 
 _SHAPE_DTYPE = attrgetter("shape", "dtype")
+
+# A C-level map holds the GIL from its first item to its last: over thousands of tensors that
+# touch cold memory (about a microsecond each) it would keep the weight sync's poster thread
+# from sending a round for milliseconds. Chunks of this many items let it in between.
+MAP_CHUNK = 256
+
+
+def chunked_map(fn, *seqs) -> list:
+    """list(map(fn, *seqs)) in chunks of MAP_CHUNK, so other threads get the GIL in between."""
+    n = min(map(len, seqs))
+    if n <= MAP_CHUNK:
+        return list(map(fn, *seqs))
+    out: list = []
+    for i in range(0, n, MAP_CHUNK):
+        out.extend(map(fn, *(s[i: i + MAP_CHUNK] for s in seqs)))
+    return out

@@ -198,6 +198,16 @@ def direct_view(param: torch.Tensor, t: TensorSlot, intra: int) -> torch.Tensor:
     return flat_bytes(param)[intra: intra + t.nbytes].view(to_dtype(t.dtype)).view(t.shape)
 
 
+class DirectRefs(list):
+    """One bucket's direct tensors as the exporter yields them: (parameter, [(TensorSlot, byte
+    offset in the parameter), ...]) pairs. `key` is set (never reused) when the list is the
+    exporter's cached one: the same tensors at the same addresses as the last time that key was
+    yielded, so a transport may reuse what it derived from them without touching each tensor
+    again (the exporter's sweep after the last bucket aborts the sync if one of them moved)."""
+
+    key = None
+
+
 def bucket_tensors(b: BucketSpec, buf: torch.Tensor | None, direct, layout: str = "full"):
     """(name, tensor) of one exported bucket: views into `buf` plus the direct tensors."""
     out = [(t.name, direct_view(p, t, intra)) for p, slots in direct for t, intra in slots]

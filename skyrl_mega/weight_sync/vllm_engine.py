@@ -128,6 +128,8 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         self._reloading = False  # vLLM's layer-wise reload is open
         self._direct_plans: dict = {}  # layout_id -> (CopyPlan, table rows)
         self._learn: dict | None = None  # while a reload sync runs: name -> (dtype, shape), checksums
+        self._copy_events: list = []  # (start, end) CUDA events of this update's direct copies
+        self.last_copy_ms: list[float] = []  # their GPU times, per round, of the last committed update
 
     def init_transfer_engine(self, init_info: SkyrlBucketInitInfo) -> None:
         if self.comm is not None:  # the trainer re-formed the group: leave the old one
@@ -194,6 +196,12 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             finalize_layerwise_reload(self.model, self.model_config)
 
     def finish_weight_update(self) -> None:
+        if self.device.type == "cuda":
+            # answered after every copy of the update (its last round is answered once queued):
+            # the trainer then writes its parameters and its staging buffer again
+            torch.cuda.synchronize(self.device)
+            self.last_copy_ms = [a.elapsed_time(b) for a, b in self._copy_events]
+        self._copy_events = []
         self._finalize()
         learn, self._learn = self._learn, None
         if learn is None or self._direct:
@@ -219,7 +227,7 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             except Exception:
                 logger.exception("skyrl_bucket: finalising the reload after a failed update")
             raise
-        if self.device.type == "cuda" and (info.mode != "ipc" or info.sync or info.last):
+        if self.device.type == "cuda" and (info.mode != "ipc" or info.sync):
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, info: SkyrlBucketUpdateInfo) -> None:
@@ -284,7 +292,14 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
                                       f"(the sent tensors changed; the next sync reloads)")
             cached = self._direct_plans[info.layout_id] = landing_map.copy_plan(self._map, entries)
         plan, rows = cached
-        plan.execute(dict(enumerate(sources)))
+        if self.device.type == "cuda":  # GPU time of the copies, read at the commit (last_copy_ms)
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+            plan.execute(dict(enumerate(sources)))
+            ev[1].record()
+            self._copy_events.append(ev)
+        else:
+            plan.execute(dict(enumerate(sources)))
         if info.verify and rows:
             got = torch.empty(len(rows), 2, dtype=torch.int64, device=self.device)
             plan.checksums(got, lambda slot: slot)

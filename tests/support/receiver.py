@@ -169,14 +169,15 @@ class WeightReceiver:
             self.last_error = repr(e)
             self.pending = None
             raise
-        if self.device.type == "cuda" and (self.mode != "ipc" or update_info.get("sync", True)
-                                           or update_info.get("last", True)):
+        if self.device.type == "cuda" and (self.mode != "ipc" or update_info.get("sync", True)):
             torch.cuda.synchronize(self.device)
         self.timings["update_s"] = time.perf_counter() - t0
         rep["seconds"] = round(time.perf_counter() - t0, 6)
         return rep
 
     def finish_weight_update(self, weight_version: Any = None) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # answered after every copy (as the vLLM backend)
         if weight_version is not None:
             if self.pending is None or str(self.pending) != str(weight_version):
                 raise WeightSyncError(f"finish {weight_version}: no completed update of that version "

@@ -20,7 +20,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from ...rollout.control import EngineControl, http_json
+from ...rollout.control import EngineControl, KeptAliveJson, http_json
 from ...rollout.errors import WeightSyncError
 
 
@@ -68,6 +68,8 @@ class HttpEngineClient(EngineClient):
         self.timeout_s = timeout_s
         self._sizes: list[int] | None = None
         self._start_pending = False
+        self._conns: dict[str, KeptAliveJson] = {}  # url -> its kept-alive connection (_call)
+        self._pool: ThreadPoolExecutor | None = None  # fan-out over several servers
 
     @property
     def urls(self) -> list[str]:
@@ -82,12 +84,23 @@ class HttpEngineClient(EngineClient):
     def num_ranks(self) -> int:
         return sum(self.world_sizes())
 
-    def _each(self, method: str, path: str, bodies: list | None = None, timeout_s: float | None = None) -> dict:
+    def _each(self, method: str, path: str, bodies: list | None = None, timeout_s: float | None = None,
+              send: Callable[[str, Any], Any] | None = None) -> dict:
+        """The same call to every server at once (`send(url, body)`; default one http_json
+        request each): {url: answer}, or WeightSyncError naming every server that failed."""
         t = timeout_s or self.timeout_s
+        send = send or (lambda u, b: http_json(method, u + path, b, t))
+        body = dict(enumerate(bodies or []))
         errors, out = {}, {}
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            futs = {u: pool.submit(http_json, method, u + path, bodies[i] if bodies else None, t)
-                    for i, u in enumerate(self.urls)}
+        if len(self.urls) == 1:  # the common case: no thread hand-off
+            try:
+                out[self.urls[0]] = send(self.urls[0], body.get(0))
+            except Exception as e:
+                errors[self.urls[0]] = e
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=len(self.urls))
+            futs = {u: self._pool.submit(send, u, body.get(i)) for i, u in enumerate(self.urls)}
             for u, f in futs.items():
                 try:
                     out[u] = f.result()
@@ -112,11 +125,16 @@ class HttpEngineClient(EngineClient):
         return None
 
     def _call(self, call: dict) -> dict:
+        """One skyrl_weight_update round trip to every server, over kept-alive connections."""
         if self._start_pending:
             call = {"start": True, **call}
         self._start_pending = False  # sent (whatever the answer: a failed start fails the update)
         body = {"method": "skyrl_weight_update", "kwargs": {"call": json.dumps(call)}, "timeout": self.timeout_s}
-        out = self._each("POST", "/collective_rpc", [body] * len(self.urls))
+        for u in self.urls:
+            if u not in self._conns:
+                self._conns[u] = KeptAliveJson(u)
+        out = self._each("POST", "/collective_rpc", [body] * len(self.urls),
+                         send=lambda u, b: self._conns[u].post("/collective_rpc", b, self.timeout_s))
         return {u: (r or {}).get("results") or [] for u, r in out.items()}
 
     def update(self, update_info: dict) -> Any:
@@ -142,6 +160,15 @@ class HttpEngineClient(EngineClient):
 
     def reset(self) -> None:
         self._sizes = None  # a restarted server may have another worker count
+        self.close()
+
+    def close(self) -> None:
+        for c in self._conns.values():
+            c.close()
+        self._conns = {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def describe(self) -> str:
         return f"{len(self.urls)} vLLM server(s)"

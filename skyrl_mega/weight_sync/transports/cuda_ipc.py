@@ -19,8 +19,12 @@ neither side blocks its CPU on the other's GPU work. Rounds are posted from a ba
 thread, in order, so the engine copies round k while the trainer walks the buckets of round
 k+1. A round that used the staging buffer is answered only after the engine's copies finished
 (device synchronised; "sync": true), and the staging buffer is refilled only after every such
-answer came back. The last round is posted with the last bucket and is always answered after
-the copies; finish() waits for every answer, then finish_weight_update(version) commits.
+answer came back. The last round is posted with the last bucket and answered once its copies
+are queued (the engine copies while the trainer sweeps its tensors); finish() waits for every
+answer, then finish_weight_update(version) commits, answered only after every copy finished
+(any finish, an abort's too: the trainer may then change its parameters and the staging buffer).
+Steady state: the exporter hands out cached direct tensors (plan.DirectRefs) and the round's
+tensor table is named by its id, so nothing walks the tensors before a round leaves.
 On CPU (tests and dry runs) the staging buffer is a /dev/shm file and nothing is direct.
 Verification: the sender's checksums ride in each round; the receiver compares them with
 checksums of what landed in its weights and fails the update on any mismatch.
@@ -38,10 +42,17 @@ import torch
 from ...rollout.errors import WeightSyncError
 from .. import ipc_handles
 from ..checksum import buffer_checksums, digest, tensor_checksum
-from ..plan import ALIGN, BucketPlan, BucketSpec, direct_view
-from .transfer_api import WeightTransferTransport
+from ..plan import ALIGN, BucketPlan, BucketSpec, DirectRefs, direct_view
+from .transfer_api import WeightTransferTransport, engine_spans
 
 logger = logging.getLogger(__name__)
+
+
+def _refs_sig(refs) -> tuple:
+    """What a round's layout depends on for one bucket's direct tensors: the exporter's key for
+    its cached DirectRefs (nothing touched), else every tensor's address."""
+    key = getattr(refs, "key", None)
+    return key if key is not None else tuple(p.data_ptr() for p, _ in refs)
 
 
 class CudaIpcTransport(WeightTransferTransport):
@@ -67,6 +78,7 @@ class CudaIpcTransport(WeightTransferTransport):
         self.rounds = 0
         self.last_digest: str | None = None
         self._layout_plan = None
+        self._handles: dict = {}  # (address, bytes) of a shared storage -> its IPC handle (_handle)
 
     @property
     def layout(self) -> str:
@@ -102,6 +114,7 @@ class CudaIpcTransport(WeightTransferTransport):
         import os
 
         self._staging = None
+        self._handles = {}
         if self._shm_path:
             try:
                 os.unlink(self._shm_path)
@@ -123,6 +136,7 @@ class CudaIpcTransport(WeightTransferTransport):
             self._layouts: dict[int, tuple] = {}  # round -> (signature, layout id, storages)
             self._locs: dict = {}  # (id(param), data_ptr) -> (storage key, byte offset, storage bytes)
             self._packed_of: dict[int, list] = {}
+            self._handles = {}
             self._layout_plan = plan.plan_id
         self._cursor, self._base = 0, 0
         self._round_items: list[tuple] = []  # per bucket: (bucket, staging base, direct refs)
@@ -133,6 +147,7 @@ class CudaIpcTransport(WeightTransferTransport):
         self._inflight = []
         self._sent_sums: dict[int, list[int]] = {}
         self._t_start = time.perf_counter()
+        self._t_start_mono = time.monotonic()  # the engines' timestamps are on this clock
         self.timings = {}
         self._pause()
         self._inflight.append(self._exe.submit(self._fanout, lambda c: c.start()))  # rounds follow in order
@@ -168,7 +183,7 @@ class CudaIpcTransport(WeightTransferTransport):
             raise WeightSyncError(f"bucket {b.index} sent out of order (expected {self._next})")
         base = self._base if buf is not None else 0
         packed = self._packed(b)
-        self._round_items.append((b, base, list(direct)))
+        self._round_items.append((b, base, direct if isinstance(direct, DirectRefs) else list(direct)))
         if self.verify:
             full = self.layout == "full"
             spans = [(base + (t.offset if full else t.ipc_offset), t.nbytes) for t in packed]
@@ -224,7 +239,7 @@ class CudaIpcTransport(WeightTransferTransport):
         # the layout (tensor table) is sent once and then named by its id, as long as the plan,
         # the packing and the parameters' addresses are unchanged
         sig = (self._plan.plan_id, tuple((b.index, base) for b, base, _ in self._round_items),
-               tuple(p.data_ptr() for _, _, refs in self._round_items for p, _ in refs))
+               tuple(map(_refs_sig, (refs for _, _, refs in self._round_items))))
         cached = self._layouts.get(self._round)
         entries = None
         if cached is not None and cached[0] == sig:
@@ -235,7 +250,7 @@ class CudaIpcTransport(WeightTransferTransport):
             wholes = [w for _, w in sorted(storages.values(), key=lambda x: x[0])]
             layout_id = f"{self._plan.plan_id}.{self._round}.{self.rounds}"
             self._layouts[self._round] = (sig, layout_id, wholes)
-        handles = [ipc_handles.encode(self._staging, self._shm_path)] + [ipc_handles.encode(w) for w in wholes]
+        handles = [self._handle(self._staging)] + [self._handle(w) for w in wholes]
         info: dict[str, Any] = {"mode": "ipc", "version": self._version, "round": self._round, "last": last,
                                 "verify": self.verify, "layout_id": layout_id, "handles": handles,
                                 "tensors": entries}
@@ -250,9 +265,12 @@ class CudaIpcTransport(WeightTransferTransport):
             self._event.record(torch.cuda.current_stream(self.device))
             info["event"] = self._event_handle = self._event_handle or ipc_handles.encode_event(self._event)
         self.timings.setdefault("first_round_at_s", t0 - self._t_start)
-        info["sync"] = last or self.verify or self._uses_staging()
+        # answered only after the engine's copies when this sync refills the staging buffer
+        # after this round, or when checksums are compared; the commit (finish) is always
+        # answered after every copy (the trainer then changes its parameters again)
+        info["sync"] = self.verify or (not last and self._uses_staging())
         try:
-            # in order on one thread; the last round is answered after the engine's copies
+            # in order on one thread
             self._inflight.append(self._exe.submit(self._post_round, info))
         except BaseException:
             self._layouts = {}  # a receiver may not hold the layout: send it in full next time
@@ -264,11 +282,27 @@ class CudaIpcTransport(WeightTransferTransport):
         self.timings["rounds"] = self._round
         self.timings["round_s"] = self.timings.get("round_s", 0.0) + time.perf_counter() - t0
 
+    def _handle(self, whole: torch.Tensor) -> dict:
+        """The typed IPC handle of a whole storage, made once per allocation: the engines open
+        each allocation once (by ipc_handles.handle_key) and ignore a new handle of it."""
+        key = (whole.data_ptr(), whole.numel())
+        got = self._handles.get(key)
+        if got is None:
+            # the storage is held with its handle: no other allocation can take its address
+            # (and be sent under its handle) while the handle is cached
+            got = self._handles[key] = (whole, ipc_handles.encode(whole, self._shm_path if whole is self._staging
+                                                                  else None))
+        return got[1]
+
     def _post_round(self, info: dict) -> list:
         out = self._fanout(lambda c: c.update(info))
         at = time.perf_counter() - self._t_start  # metrics are scalars: the first and the last answer
         self.timings.setdefault("first_answer_at_s", at)
         self.timings["last_answer_at_s"] = at
+        spans = engine_spans(out)  # when the round reached the engines' workers and left them
+        if spans:
+            self.timings.setdefault("engine_first_in_at_s", min(a for a, _ in spans) - self._t_start_mono)
+            self.timings["engine_last_out_at_s"] = max(b for _, b in spans) - self._t_start_mono
         return out
 
     def _uses_staging(self) -> bool:
@@ -313,7 +347,7 @@ class CudaIpcTransport(WeightTransferTransport):
     def reset(self) -> None:
         """An engine was restarted: tell every engine the mode again and resend full layouts."""
         self._inited = False
-        self._layouts, self._layout_plan, self._inflight = {}, None, []
+        self._layouts, self._layout_plan, self._inflight, self._handles = {}, None, [], {}
         self._forget_engines()
 
     def close(self) -> None:

@@ -37,6 +37,32 @@ from .clients import EngineClient, HttpEngineClient
 logger = logging.getLogger(__name__)
 
 
+def _worker_replies(reply):
+    """The worker answers inside a fan-out reply ({url: [worker dict, ...]} per client)."""
+    if isinstance(reply, dict):
+        if "at" in reply or "copy_ms" in reply:
+            yield reply
+        else:
+            for v in reply.values():
+                yield from _worker_replies(v)
+    elif isinstance(reply, list):
+        for v in reply:
+            yield from _worker_replies(v)
+
+
+def engine_spans(reply) -> list[tuple[float, float]]:
+    """(arrived, answered) of each worker's skyrl_weight_update call in a fan-out reply, on this
+    host's monotonic clock (rollout/vllm_plugin.py)."""
+    return [tuple(w["at"]) for w in _worker_replies(reply)
+            if isinstance(w.get("at"), list) and len(w["at"]) == 2]
+
+
+def engine_copy_ms(reply) -> float | None:
+    """The slowest worker's GPU time of its direct copies in the committed update (None: not timed)."""
+    per = [sum(w["copy_ms"]) for w in _worker_replies(reply) if w.get("copy_ms")]
+    return max(per) if per else None
+
+
 class WeightTransferTransport(WeightTransport):
     def __init__(self, control: EngineControl | None = None, receivers: tuple[EngineClient, ...] | list = (), *,
                  pause_mode: str = "keep", kv_after_update: str = "recompute", verify: bool = False,
@@ -120,7 +146,15 @@ class WeightTransferTransport(WeightTransport):
     def _commit(self, version) -> dict:
         """finish_weight_update(version) everywhere, check the versions, resume the engines."""
         t0 = time.perf_counter()
+        t_mono = time.monotonic()
         reports = self._fanout(lambda c: c.finish(version))
+        spans = engine_spans(reports)
+        if spans:  # how long the commit call took inside the engines, and to reach them
+            self.timings["engine_commit_s"] = max(b - a for a, b in spans)
+            self.timings["engine_commit_reached_s"] = max(a for a, _ in spans) - t_mono
+        copy_ms = engine_copy_ms(reports)
+        if copy_ms is not None:
+            self.timings["engine_copy_s"] = copy_ms / 1e3
         versions = {}
         for c, rep in zip(self.clients, reports):
             versions.update(c.versions(rep))
