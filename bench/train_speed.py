@@ -179,6 +179,10 @@ def run(args) -> dict:
     if ceiling:
         print(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s", flush=True)
     for spec in [s for s in args.specs.split(",") if s]:
+        # megatron pins the attention backend in these variables when it builds a model and
+        # refuses a later model of another backend in the same process: each spec sets its own
+        for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            os.environ.pop(k, None)
         r = time_spec(spec, args, path, flops, lengths)
         if ceiling:
             r["fraction_of_ceiling"] = r["model_tflops"] / ceiling

@@ -83,6 +83,8 @@ class ModelBridge:
         overrides = {} if self.use_te or torch.cuda.is_available() else dict(CPU_CONFIG)
         if not self.use_te:
             overrides.update(specs.LOCAL_CONFIG)
+        else:
+            overrides.update(specs.TE_CONFIG)
         overrides.update(config_overrides)
         self.impl.set_extra_args(**overrides)
         self.dtype = dtype

@@ -3,7 +3,8 @@
 The layouts are the ones a receiver meets: a Megatron DDP buffer (experts in descending
 address order, fc1/fc2 interleaved: the sources of one kind sit at a negative stride), a
 packed bucket (ascending), odd sizes that force narrow element types, and short runs.
-Every mode (strided index_select, memcpy loop, _foreach_copy_) must land exactly the
+Every mode (strided index_select, memcpy loop, _foreach_copy_, chains through _foreach_copy_)
+must land exactly the
 bytes a tensor-by-tensor copy lands.
 """
 
@@ -25,7 +26,7 @@ def _layout(E: int, n1: int, n2: int, descending: bool, pad: int = 0):
 
 @pytest.mark.parametrize("descending", [True, False])
 @pytest.mark.parametrize("n1,n2,pad", [(64, 32, 0), (66, 33, 3), (4096, 2048, 64)])
-@pytest.mark.parametrize("mode", ["strided", "memcpy", "foreach"])
+@pytest.mark.parametrize("mode", ["strided", "memcpy", "foreach", "chains_foreach"])
 def test_copy_plan_matches_per_tensor_copies(descending, n1, n2, pad, mode, monkeypatch):
     E = 8
     offs, total = _layout(E, n1, n2, descending, pad)
@@ -41,14 +42,18 @@ def test_copy_plan_matches_per_tensor_copies(descending, n1, n2, pad, mode, monk
         cp.add("s", o2, torch.bfloat16, down_flat, e * n2, n2, slot + 1)
         slot += 2
     cp.add("s", total, torch.bfloat16, torch.zeros(8, dtype=torch.bfloat16), 0, 8, slot)  # a short, lone run
-    monkeypatch.setattr(CopyPlan, "strided", mode == "strided")
-    monkeypatch.setattr(CopyPlan, "loop_min_bytes", 1 if mode == "memcpy" else 1 << 62)
+    monkeypatch.setattr(CopyPlan, "strided", mode in ("strided", "chains_foreach"))
+    monkeypatch.setattr(CopyPlan, "loop_min_bytes", 1 if mode in ("memcpy", "chains_foreach") else 1 << 62)
+    if mode == "chains_foreach":  # the chains' runs into the _foreach_copy_ lists, whatever their size
+        monkeypatch.setattr(CopyPlan, "chain_mode", "foreach")
     cp.execute({"s": src})
     for e, (o1, o2) in enumerate(offs):
         assert torch.equal(gate_up[e].view(torch.uint8), src[o1: o1 + n1 * 2]), e
         assert torch.equal(down[e].view(torch.uint8), src[o2: o2 + n2 * 2]), e
-    strided = cp.bind({"s": src})[0]
+    strided, big, dsts, _ = cp.bind({"s": src})
     assert len(strided) == (2 if mode == "strided" else 0)
+    if mode == "chains_foreach":
+        assert (len(big), len(dsts)) == (1, 2 * E)  # only the lone run is copied on its own
     # a second execute with new source bytes reuses the bound views and lands the new bytes
     src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8, generator=g))
     cp.execute({"s": src})

@@ -31,6 +31,7 @@ class CopyPlan:
         self.runs: list[list] = []  # [src_key, src_off, dst_flat, dst_start, numel, dtype, [(slot, nbytes)..]]
         self._bound: tuple | None = None
         self._graph = None
+        self.tuned: dict | None = None  # "auto" on CUDA: {mode: ms of one full copy, "chosen": mode}
 
     def add(self, src_key, src_off: int, dtype: torch.dtype, dst_flat: torch.Tensor, dst_start: int, numel: int,
             slot: int) -> None:
@@ -58,6 +59,10 @@ class CopyPlan:
     # index_select into the destination block: a layer's gate_up / down experts in one kernel
     strided = True
     min_chain = 4
+    # how a chain is copied on CUDA: "index_select" (one gather kernel per chain), "foreach" (its
+    # runs in the _foreach_copy_ lists: vectorised multi-tensor copies) or "auto": both timed once
+    # when the plan is bound (the copies are idempotent), the faster kept (`tuned`)
+    chain_mode = "auto"
 
     def _chains(self) -> tuple[list[tuple[list[list], int]], list[list]]:
         """([(runs of one strided chain, source stride in bytes)], the other runs)."""
@@ -104,28 +109,58 @@ class CopyPlan:
         return None
 
     def bind(self, sources: dict[Any, torch.Tensor]) -> tuple:
-        key = (tuple((k, v.data_ptr(), v.numel()) for k, v in sources.items()), self.loop_min_bytes, self.strided)
+        key = (tuple((k, v.data_ptr(), v.numel()) for k, v in sources.items()), self.loop_min_bytes, self.strided,
+               self.chain_mode)
         if self._bound is not None and self._bound[0] == key:
             return self._bound[1]
         chains, rest = self._chains() if self.strided else ([], self.runs)
+        mode = self.chain_mode
+        on_cuda = bool(self.runs) and self.runs[0][2].is_cuda
+        if mode == "auto" and not (chains and on_cuda):
+            mode = "index_select"
+        if mode == "auto":
+            ways = {m: self._bound_as(m, chains, rest, sources) for m in ("index_select", "foreach")}
+            self.tuned = {m: self._time(b) for m, b in ways.items()}
+            self.tuned["chosen"] = min(ways, key=self.tuned.get)
+            bound = ways[self.tuned["chosen"]]
+        else:
+            bound = self._bound_as(mode, chains, rest, sources)
+        self._bound = (key, bound)
+        self._graph = None
+        return bound
+
+    def _bound_as(self, mode: str, chains, rest, sources) -> tuple:
+        """(strided chains, big runs, foreach destinations, foreach sources) for one chain mode."""
         strided = []
         for chain, stride in chains:
-            v = self._strided_views(chain, stride, sources)
+            v = self._strided_views(chain, stride, sources) if mode == "index_select" else None
             if v is None:
                 rest = rest + chain
             else:
                 strided.append(v)
         big, dsts, srcs = [], [], []
-        for k, off, dst, start, n, dt, _ in rest:
+        chained = {id(r) for c, _ in chains for r in c} if mode == "foreach" else set()
+        for r in rest:
+            k, off, dst, start, n, dt, _ = r
             src, d = sources[k][off: off + n * dt.itemsize].view(dt), dst[start: start + n]
-            if n * dt.itemsize >= self.loop_min_bytes:
+            if n * dt.itemsize >= self.loop_min_bytes and id(r) not in chained:
                 big.append((d, src))
             else:
                 dsts.append(d)
                 srcs.append(src)
-        self._bound = (key, (strided, big, dsts, srcs))
-        self._graph = None
-        return self._bound[1]
+        return strided, big, dsts, srcs
+
+    def _time(self, bound: tuple, reps: int = 2) -> float:
+        """Milliseconds of the fastest of `reps` full copies through `bound` (CUDA)."""
+        best = float("inf")
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self._launch(*bound)
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b))
+        return best
 
     @staticmethod
     def _launch(strided, big, dsts, srcs) -> None:

@@ -20,7 +20,8 @@ Per bucket, at most three collectives (never one per tensor):
 - pipeline stage s>0: its leader sends the finished bucket to global rank 0 (one send, from a
   two-slot pool: slot_pool.py).
 Only the first data-parallel replica takes part; the gathers move data toward rank 0 only.
-After the last bucket every rank sweeps its tensors (CheckedParams.sweep) and all agree in one
+Every rank sweeps its tensors (CheckedParams.sweep) once per sync, after the leading expert
+buckets (their round is then on its way) or after the last bucket, and all agree in one
 flag round whether some rank saw a changed shape or dtype (`stale_seen`).
 """
 
@@ -145,8 +146,11 @@ class BucketExporter:
             acquire = lambda b, n: pool.acquire(n)  # noqa: E731
         if self._pool is None and rank != 0 and rank in plan.leaders:
             self._pool = SlotPool(dev, n=2)
+        sweep_at, stale = self._sweep_position(plan), False
         with torch.no_grad():
-            for b in plan.buckets:
+            if not plan.buckets:
+                stale = self._sweep(plan, params)
+            for pos, b in enumerate(plan.buckets):
                 leader = plan.leaders[b.stage]
                 nbytes = b.nbytes if layout == "full" else b.ipc_nbytes
                 dest, direct = None, []
@@ -168,11 +172,29 @@ class BucketExporter:
                         for r in p2p([dist.P2POp(dist.irecv, dest, leader, ctx.pp_group)]):
                             r.wait()
                 yield b, (dest if rank == 0 else None), direct
-        # after the last bucket: this rank's sweep, then every rank learns whether any saw a change
-        stale, ts = params.sweep()
-        stale = stale or self._direct_moved(plan, ts) or self.peers.moved(plan, self.check.index, ts)
+                if pos == sweep_at:
+                    stale = self._sweep(plan, params)
+        # after the last bucket: every rank learns whether any saw a change (a dense tensor read
+        # after the sweep is checked as it is read: params.stale)
         self.peers.done()
-        self.stale_seen = bool(self.flags.max(int(stale)))
+        self.stale_seen = bool(self.flags.max(int(stale or params.stale)))
+
+    @staticmethod
+    def _sweep_position(plan: BucketPlan) -> int:
+        """After which bucket this rank sweeps its tensors: the last of the expert buckets when
+        they lead the plan (their round is on its way to the engines then, and the sweep runs
+        while the engines copy it; the dense buckets after them read each tensor checked),
+        else the last bucket."""
+        lead = 0
+        while lead < len(plan.buckets) and plan.buckets[lead].kind != "dense":
+            lead += 1
+        return lead - 1 if 0 < lead < len(plan.buckets) else len(plan.buckets) - 1
+
+    def _sweep(self, plan: BucketPlan, params) -> bool:
+        """This rank's check of every tensor against the plan: gone, reshaped, retyped, or (the
+        cached direct ones, and a member's published experts) moved."""
+        stale, ts = params.sweep()
+        return stale or self._direct_moved(plan, ts) or self.peers.moved(plan, self.check.index, ts)
 
     @staticmethod
     def _place(t: TensorSlot, src: torch.Tensor, dest, layout, direct, param=None) -> None:
@@ -297,7 +319,7 @@ class BucketExporter:
         sender's own experts are the HF tensors, at byte offsets the plan already knows). Looked
         up on the plan's first sync; later syncs hand out the same cached DirectRefs without
         touching the tensors (a microsecond each, thousands per model, before the first round
-        can leave): the sweep after the last bucket checks that they still sit where they sat
+        can leave): the sync's sweep checks that they still sit where they sat
         (`_direct_moved`), while the engine copies."""
         cache = self._direct_cache.get(b.index)
         if cache is None or cache[0] is not plan:

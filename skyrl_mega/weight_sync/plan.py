@@ -203,7 +203,7 @@ class DirectRefs(list):
     offset in the parameter), ...]) pairs. `key` is set (never reused) when the list is the
     exporter's cached one: the same tensors at the same addresses as the last time that key was
     yielded, so a transport may reuse what it derived from them without touching each tensor
-    again (the exporter's sweep after the last bucket aborts the sync if one of them moved)."""
+    again (the exporter's sweep aborts the sync before its commit if one of them moved)."""
 
     key = None
 

@@ -298,6 +298,10 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             plan.execute(dict(enumerate(sources)))
             ev[1].record()
             self._copy_events.append(ev)
+            if plan.tuned is not None and not getattr(plan, "_told", False):
+                plan._told = True
+                logger.info("skyrl_bucket: copy chains of round %s by %s (one full copy: %s ms)", info.round,
+                            plan.tuned["chosen"], {m: round(v, 3) for m, v in plan.tuned.items() if m != "chosen"})
         else:
             plan.execute(dict(enumerate(sources)))
         if info.verify and rows:

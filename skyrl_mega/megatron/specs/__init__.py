@@ -27,6 +27,8 @@ CHOICES = ("auto", "te", "local", "fast")
 NOT_BUILT: dict[str, str] = {}
 # what the local and fast specs need in megatron's config: no grouped GEMM, megatron's own attention
 LOCAL_CONFIG = dict(moe_grouped_gemm=False, attention_backend="local")
+# the TE spec: experts as TE's grouped GEMM (TEGroupedMLP, the parameter names mbridge maps)
+TE_CONFIG = dict(moe_grouped_gemm=True)
 # model family (HF model_type) -> the block builder kind its layers use
 FAMILIES = {"qwen3_moe": "gpt", "nemotron_h": "hybrid", "qwen3_5_moe_text": "gdn", "qwen3_5_moe": "gdn"}
 # the spec choices each kind has built

@@ -48,6 +48,12 @@ class EngineClient:
     def finish(self, version) -> Any:
         raise NotImplementedError
 
+    def update_and_finish(self, update_info: dict, version) -> Any:
+        """A last round, then the commit of `version`; answers as finish() does. Clients that
+        can do both in one round trip override it."""
+        self.update(update_info)
+        return self.finish(version)
+
     def versions(self, finish_reply=None) -> dict:
         """{receiver: committed weight version} (from `finish_reply` where it has them)."""
         raise NotImplementedError
@@ -147,6 +153,11 @@ class HttpEngineClient(EngineClient):
         out = self._call({"finish": True, "version": None if version is None else str(version)})
         if version is not None:
             self.control.record_finished_version(version)
+        return out
+
+    def update_and_finish(self, update_info: dict, version) -> Any:
+        out = self._call({"update_info": update_info, "finish": True, "version": str(version)})
+        self.control.record_finished_version(version)
         return out
 
     def versions(self, finish_reply=None) -> dict:

@@ -19,10 +19,10 @@ neither side blocks its CPU on the other's GPU work. Rounds are posted from a ba
 thread, in order, so the engine copies round k while the trainer walks the buckets of round
 k+1. A round that used the staging buffer is answered only after the engine's copies finished
 (device synchronised; "sync": true), and the staging buffer is refilled only after every such
-answer came back. The last round is posted with the last bucket and answered once its copies
-are queued (the engine copies while the trainer sweeps its tensors); finish() waits for every
-answer, then finish_weight_update(version) commits, answered only after every copy finished
-(any finish, an abort's too: the trainer may then change its parameters and the staging buffer).
+answer came back. The last round goes out from finish(), once every rank's check of the plan
+passed, and carries the commit: one call per engine does the copies and finish_weight_update
+(version), answered only after every copy finished (any finish, an abort's too: the trainer may
+then change its parameters and the staging buffer).
 Steady state: the exporter hands out cached direct tensors (plan.DirectRefs) and the round's
 tensor table is named by its id, so nothing walks the tensors before a round leaves.
 On CPU (tests and dry runs) the staging buffer is a /dev/shm file and nothing is direct.
@@ -200,9 +200,9 @@ class CudaIpcTransport(WeightTransferTransport):
         self._check_inflight()
         nxt = self._plan.buckets[self._next] if self._next < len(self._plan.buckets) else None
         if nxt is None:
-            # the last round goes out now, while the exporter checks the plan once more after
-            # its last bucket; finish() waits for it (and commits only if that check passed)
-            self._flush(last=True)
+            # the last round goes out with the commit, from finish(): only once every rank's
+            # check of the plan passed (the exporter sweeps while the engines copy the expert round)
+            return
         # a round also ends where the expert buckets end: the engine copies them while the
         # dense buckets (per-parameter conversions on the CPU) are walked
         elif self._acc >= self.round_bytes or (b.kind == "experts" and nxt.kind != "experts"):
@@ -212,10 +212,9 @@ class CudaIpcTransport(WeightTransferTransport):
         while self._inflight and self._inflight[0].done():
             self._inflight.pop(0).result()  # raises the engine's error
 
-    def _drain(self) -> None:
+    def _drain(self) -> list:
         futs, self._inflight = self._inflight, []
-        for f in futs:
-            f.result()
+        return [f.result() for f in futs]
     def _entries(self, storages: dict) -> list[list]:
         """The round's tensor table: [name, dtype, shape, handle index, byte offset, nbytes, index]."""
         out, full = [], self.layout == "full"
@@ -232,7 +231,7 @@ class CudaIpcTransport(WeightTransferTransport):
                     out.append([t.name, t.dtype, list(t.shape), h, poff + intra, t.nbytes, t.index])
         return out
 
-    def _flush(self, last: bool) -> None:
+    def _flush(self, last: bool, commit: bool = False) -> None:
         if not self._round_items and not last:
             return
         t0 = time.perf_counter()
@@ -271,7 +270,7 @@ class CudaIpcTransport(WeightTransferTransport):
         info["sync"] = self.verify or (not last and self._uses_staging())
         try:
             # in order on one thread
-            self._inflight.append(self._exe.submit(self._post_round, info))
+            self._inflight.append(self._exe.submit(self._post_round, info, self._version if commit else None))
         except BaseException:
             self._layouts = {}  # a receiver may not hold the layout: send it in full next time
             raise
@@ -294,8 +293,12 @@ class CudaIpcTransport(WeightTransferTransport):
                                                                   else None))
         return got[1]
 
-    def _post_round(self, info: dict) -> list:
-        out = self._fanout(lambda c: c.update(info))
+    def _post_round(self, info: dict, commit=None) -> list:
+        """One round to every engine; with `commit` (a version) the update's commit rides on it."""
+        if commit is None:
+            out = self._fanout(lambda c: c.update(info))
+        else:
+            out = self._fanout(lambda c: c.update_and_finish(info, commit))
         at = time.perf_counter() - self._t_start  # metrics are scalars: the first and the last answer
         self.timings.setdefault("first_answer_at_s", at)
         self.timings["last_answer_at_s"] = at
@@ -318,11 +321,11 @@ class CudaIpcTransport(WeightTransferTransport):
     def finish(self) -> dict[str, Any]:
         if self._next != len(self._plan.buckets):
             raise WeightSyncError(f"update {self._version}: {self._next}/{len(self._plan.buckets)} buckets sent")
-        if self._round_items or not self._plan.buckets:  # not posted by send_bucket
-            self._flush(last=True)
-        self._drain()
+        # the last round and the commit in one call to each engine (answered after every copy)
+        self._flush(last=True, commit=True)
+        replies = self._drain()
         self.timings["transfer_s"] = time.perf_counter() - self._t_start
-        report = self._commit(self._version)
+        report = self._commit(self._version, replies[-1])
         self.last_digest = (digest(torch.tensor([self._sent_sums[k] for k in sorted(self._sent_sums)],
                                                 dtype=torch.int64)) if self.verify else None)
         self.last_report = report

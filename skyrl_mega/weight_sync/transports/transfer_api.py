@@ -143,15 +143,18 @@ class WeightTransferTransport(WeightTransport):
             self.timings["pause_s"] = time.perf_counter() - t0
         self._paused = True
 
-    def _commit(self, version) -> dict:
-        """finish_weight_update(version) everywhere, check the versions, resume the engines."""
+    def _commit(self, version, reports: list | None = None) -> dict:
+        """finish_weight_update(version) everywhere (or the `reports` of a last round that carried
+        it), check the versions, resume the engines."""
         t0 = time.perf_counter()
         t_mono = time.monotonic()
-        reports = self._fanout(lambda c: c.finish(version))
+        if reports is None:
+            reports = self._fanout(lambda c: c.finish(version))
         spans = engine_spans(reports)
-        if spans:  # how long the commit call took inside the engines, and to reach them
+        if spans:  # how long the commit call took inside the engines (and to reach them, when sent here)
             self.timings["engine_commit_s"] = max(b - a for a, b in spans)
-            self.timings["engine_commit_reached_s"] = max(a for a, _ in spans) - t_mono
+            if max(a for a, _ in spans) >= t_mono:
+                self.timings["engine_commit_reached_s"] = max(a for a, _ in spans) - t_mono
         copy_ms = engine_copy_ms(reports)
         if copy_ms is not None:
             self.timings["engine_copy_s"] = copy_ms / 1e3
