@@ -38,6 +38,9 @@ PRESETS = {
     # ~1.63B MoE (16 layers, layer 0 dense, 64 experts top-8), 32 sequences of 4096 tokens
     "h200_4k": dict(STEP_PRESETS["h200"], layers=16, batch=32, min_len=4096, max_len=4096, steps=3, warmup=1,
                     max_tokens=16384),
+    # ~2.37B MoE with hidden 2048 (8 layers, layer 0 dense, 64 experts of 2048 x 768, top-8), the same batch
+    "h200_2b_4k": dict(STEP_PRESETS["h200"], hidden=2048, ffn=6144, moe_ffn=768, layers=8, heads=16, kv_heads=4,
+                       head_dim=128, batch=32, min_len=4096, max_len=4096, steps=3, warmup=1, max_tokens=16384),
 }
 
 

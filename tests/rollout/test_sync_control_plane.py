@@ -1,4 +1,5 @@
-"""control.KeptAliveJson: the weight sync's JSON calls over one kept-alive HTTP connection.
+"""The weight sync's control plane on the trainer side: control.KeptAliveJson (its JSON calls
+over one kept-alive HTTP connection) and the engines' timeline read from their answers.
 
 Against a real HTTP/1.1 server on localhost (http.server), which counts the TCP connections
 it accepted and can be told to answer 500 or to hold a request until released."""
@@ -95,3 +96,16 @@ def test_a_server_that_is_gone_is_a_connection_error():
         c.post("/x", {}, 5)
     with pytest.raises(ValueError, match="http://host:port"):
         KeptAliveJson("unix:///tmp/sock")
+
+
+def test_engine_timeline_read_from_fan_out_replies():
+    """The transports read the workers' own timestamps and copy times out of fan-out replies
+    ({url: [worker answer, ...]} per client, as HttpEngineClient returns them)."""
+    from skyrl_mega.weight_sync.transports.transfer_api import engine_copy_ms, engine_spans
+
+    reply = [{"http://a": [{"weight_version": "3", "at": [10.0, 10.5], "copy_ms": [4.0, 1.5]},
+                           {"weight_version": "3", "at": [10.1, 10.7], "copy_ms": [5.0]}]},
+             {"receiver": {"version": 3}}]  # a client that reports no timeline
+    assert engine_spans(reply) == [(10.0, 10.5), (10.1, 10.7)]
+    assert engine_copy_ms(reply) == 5.5  # the slowest worker
+    assert engine_spans([{"u": []}]) == [] and engine_copy_ms([{"u": [{"at": [1.0, 2.0]}]}]) is None
