@@ -194,7 +194,7 @@ class CudaIpcTransport(WeightTransferTransport):
                     self._sums.append(tensor_checksum(direct_view(p, t, intra))[None])
 
     def _ship(self, b: BucketSpec, buf: torch.Tensor | None, direct) -> None:
-        """The round goes out when it is full, where the expert buckets end, or at the last bucket."""
+        """The round goes out when it is full or where the expert buckets end; the last one from finish()."""
         self._next += 1
         self._acc += b.nbytes
         self._check_inflight()
@@ -205,7 +205,7 @@ class CudaIpcTransport(WeightTransferTransport):
             return
         # a round also ends where the expert buckets end: the engine copies them while the
         # dense buckets (per-parameter conversions on the CPU) are walked
-        elif self._acc >= self.round_bytes or (b.kind == "experts" and nxt.kind != "experts"):
+        if self._acc >= self.round_bytes or (b.kind == "experts" and nxt.kind != "experts"):
             self._flush(last=False)
 
     def _check_inflight(self) -> None:
