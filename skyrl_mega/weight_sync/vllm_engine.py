@@ -130,6 +130,7 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         self._learn: dict | None = None  # while a reload sync runs: name -> (dtype, shape), checksums
         self._copy_events: list = []  # (start, end) CUDA events of this update's direct copies
         self.last_copy_ms: list[float] = []  # their GPU times, per round, of the last committed update
+        self._told: set[int] = set()  # copy plans whose timed choice of chain copies was logged
 
     def init_transfer_engine(self, init_info: SkyrlBucketInitInfo) -> None:
         if self.comm is not None:  # the trainer re-formed the group: leave the old one
@@ -298,8 +299,8 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             plan.execute(dict(enumerate(sources)))
             ev[1].record()
             self._copy_events.append(ev)
-            if plan.tuned is not None and not getattr(plan, "_told", False):
-                plan._told = True
+            if plan.tuned is not None and id(plan) not in self._told:
+                self._told.add(id(plan))
                 logger.info("skyrl_bucket: copy chains of round %s by %s (one full copy: %s ms)", info.round,
                             plan.tuned["chosen"], {m: round(v, 3) for m, v in plan.tuned.items() if m != "chosen"})
         else:
