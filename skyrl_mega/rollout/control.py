@@ -28,8 +28,10 @@ Endpoints (vLLM 0.30.0 with VLLM_SERVER_DEV_MODE=1, vllm/entrypoints/serve/dev/*
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -103,9 +105,6 @@ class KeptAliveJson:
             self._busy.release()
 
     def _post(self, url: str, path: str, body: Any, timeout_s: float) -> Any:
-        import http.client
-        import time
-
         if self._conn is not None and time.monotonic() - self._last >= self.idle_s:
             self.close()
         if self._conn is None:

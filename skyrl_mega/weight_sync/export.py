@@ -324,8 +324,8 @@ class BucketExporter:
         cache = self._direct_cache.get(b.index)
         if cache is None or cache[0] is not plan:
             g = b.experts
-            pos = params.positions([(g.vpp, p.local_name) for p in g.params])
-            local = params.raw_many(pos)
+            keys = [(g.vpp, p.local_name) for p in g.params]
+            pos, local = params.positions(keys), [params.raw(k) for k in keys]
             refs = DirectRefs(zip(local, [
                 [(b.tensors[si], b.tensors[si].offset - HEADER_BYTES - p.offset) for si in idx]
                 for p, idx in zip(g.params, g.slots[0])]))

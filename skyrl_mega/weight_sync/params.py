@@ -3,8 +3,8 @@
 In: the Megatron model chunks of this rank. Out: `local_params` (vpp, local name, tensor) in
 the one fixed order the plan is built in (planner.py), and a ParamIndex that re-reads those
 tensors from their owning modules (the per-sync check, plan_check.py, and the exporter's
-lookups go through it). Tensors are never cached across syncs: a parameter whose tensor was
-replaced (`p.data = ...`, a new nn.Parameter) is seen on the next sync.
+lookups go through it). The index caches no tensor: a parameter whose tensor was replaced
+(`p.data = ...`, a new nn.Parameter) is seen by the next lookup.
 """
 
 from __future__ import annotations

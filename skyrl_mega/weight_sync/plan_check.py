@@ -9,7 +9,8 @@ attempt (sync_weights) runs on a rebuilt plan.
 
 Nothing is looked up or compared in `plan()`: touching every tensor costs about a microsecond
 each on the critical path (1-2 ms for 2000 tensors on an H200 host right after a blocking
-wait). Tensors are never cached across syncs.
+wait). The only tensors kept across syncs are the exporter's cached direct experts
+(export.py), and each sweep checks that they still sit where the parameters are.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import FlagRound
-from .params import ParamIndex, chunked_map
+from .params import ParamIndex
 from .plan import BUCKET_ORDERS, BucketPlan
 from .planner import build_plan
 
@@ -79,11 +80,10 @@ class CheckedParams:
     handed out instead, so every collective of the sync still matches across ranks; the sync
     then aborts before its commit (sync_weights) and runs again on a rebuilt plan."""
 
-    __slots__ = ("index", "expect", "stale", "_all")
+    __slots__ = ("index", "expect", "stale")
 
     def __init__(self, index: ParamIndex, expect: list):
         self.index, self.expect, self.stale = index, expect, False
-        self._all: list | None = None  # this sync's one lookup of every tensor (raw_many)
 
     def _zeros(self, i: int, like) -> torch.Tensor:
         self.stale = True
@@ -107,18 +107,8 @@ class CheckedParams:
         return t if t is not None else self._zeros(i, None)
 
     def positions(self, keys) -> tuple[int, ...]:
-        """Where `keys` sit in the index (for raw_many; stable while the plan is)."""
+        """Where `keys` sit in the index, i.e. in sweep()'s lookup (stable while the plan is)."""
         return tuple(self.index.pos[k] for k in keys)
-
-    def raw_many(self, positions: tuple[int, ...]) -> list[torch.Tensor]:
-        """raw() of several tensors at once: picked from ONE lookup of every tensor per sync (a
-        C-level pass), not looked up one by one (a layer's experts are hundreds of tensors)."""
-        if self._all is None:
-            try:
-                self._all = self.index.lookup()
-            except KeyError:  # one is gone: per tensor, with zeros where it is missing
-                return [self.raw(self.index.keys[i]) for i in positions]
-        return chunked_map(self._all.__getitem__, positions)
 
     def sweep(self) -> tuple[bool, list[torch.Tensor] | None]:
         """After the last bucket: (is any of this rank's tensors gone, reshaped or retyped, the

@@ -4,7 +4,7 @@ Builds the model from an HF checkpoint and walks the bucket plan as the co-locat
 transport does (layout "ipc"), without a transport: each walk's tensors (direct ones read from
 the parameters, packed ones from the buffer) are saved, with what the walk saw. Walks:
   first    the plan's first walk (direct tensors looked up, cached)
-  again    unchanged parameters: the same cached lists, no tensor looked up (raw_many refused)
+  again    unchanged parameters: the same cached lists, no tensor looked up (raw refused)
   moved    one expert's parameter replaced by a copy at another address: the walk must end stale
   rebuilt  after invalidate(): a new plan, new cached lists, the moved expert read from its new place
 
@@ -48,14 +48,14 @@ def main():
         return refs
 
     walk("first")
-    real = plan_check.CheckedParams.raw_many
+    real = plan_check.CheckedParams.raw
 
-    def refused(self, positions):
+    def refused(self, key):
         raise AssertionError("a cached walk looked its direct tensors up again")
 
-    plan_check.CheckedParams.raw_many = refused
+    plan_check.CheckedParams.raw = refused
     walk("again")
-    plan_check.CheckedParams.raw_many = real
+    plan_check.CheckedParams.raw = real
     # one expert's weights move (same values, same shape, new storage): only its address tells
     m = models[0].module if hasattr(models[0], "module") else models[0]
     name, p = next((n, p) for n, p in m.named_parameters() if ".experts." in n)
