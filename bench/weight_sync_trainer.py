@@ -13,10 +13,13 @@ import os
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from bench import weight_sync_probes  # noqa: E402
 
 GiB = 1 << 30
 
@@ -407,90 +410,9 @@ def run_trainer(a) -> None:
             client.call("save_logits", {"input_ids": ids, "file": f"{a.phase}_rx_synced.safetensors"})
             client.call("x_fp32_logits", {"input_ids": ids, "file": f"{a.phase}_rx_synced_fp32.safetensors"})
 
-    def s_baseline():
-        meta = [(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in bridge.export_hf(models)]
-        th = None
-        if rank == 0:
-            th = threading.Thread(target=client.call, args=("x_per_tensor", {"meta": meta}))
-            th.start()
-        barrier()
-        sync_all()
-        t = time.perf_counter()
-        for n, tens in bridge.export_hf(models):
-            if rank == 0:
-                transport.comm.broadcast(tens.contiguous(), 0).wait()
-        sync_all()
-        if rank == 0:
-            th.join()
-        dt = time.perf_counter() - t
-        nbytes = 0
-        for _, d, shp in meta:
-            k = 1
-            for x in shp:
-                k *= x
-            nbytes += k * (2 if d == "bfloat16" else 4)
-        res["tensor_by_tensor"] = {"tensors": len(meta), "bytes": nbytes, "seconds": dt, "GBps": nbytes / dt / 1e9}
-
-    def s_profile():
-        """Where one sync's time goes: cProfile of the plan check on every rank, and the GPU
-        timeline (kernels, copies) of one end-to-end sync on rank 0 (torch.profiler)."""
-        import cProfile
-        import io
-        import pstats
-
-        ex = get_exporter(bridge, models, bucket, "auto")
-        # the by-name tensor lookup that opens every sync, timed warm (back to back), after the
-        # thread slept, and right after a CUDA synchronize (as in the timed syncs)
-        idx, lk = ex.check.index, {}
-        for label, before in (("warm", lambda: None), ("after_sleep", lambda: time.sleep(0.05)),
-                              ("after_cuda_sync", sync_all)):
-            ms = []
-            for _ in range(10):
-                before()
-                t = time.perf_counter()
-                idx.lookup()
-                ms.append((time.perf_counter() - t) * 1e3)
-            lk[label] = {"min": min(ms), "median": sorted(ms)[len(ms) // 2]}
-        res.setdefault("lookup_ms", {})[str(rank)] = {"tensors": len(idx.keys), **lk}
-        for _ in range(2):
-            barrier()
-            sync_all()
-            t = time.perf_counter()
-            ex.plan()
-            res.setdefault("plan_check_ms", {}).setdefault(str(rank), []).append((time.perf_counter() - t) * 1e3)
-        barrier()
-        pr = cProfile.Profile()
-        pr.enable()
-        ex.plan()
-        pr.disable()
-        text = io.StringIO()
-        pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(14)
-        print(f"[bench] rank {rank} plan() profile:\n{text.getvalue()}", flush=True)
-        res.setdefault("plan_profile", {})[str(rank)] = text.getvalue()[-3000:]
-        if not cuda:
-            return
-        from torch.profiler import ProfilerActivity, profile
-
-        if rank == 0:
-            client.call("x_profile_next", {"name": f"{a.phase}_rx"})  # the receiver's side of the same sync
-        barrier()
-        sync_all()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            timed_sync(150)
-        if rank == 0:
-            from weight_sync_bench import save_gpu_timeline
-
-            save_gpu_timeline(prof, a.out, a.phase)
-        if a.phase == "nccl" and world > 1:  # the sender's slot count, one timeline each
-            for n in (2, 4):
-                set_slots(n)
-                timed_sync(160 + n)  # first use of the new slots
-                barrier()
-                sync_all()
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    timed_sync(170 + n)
-                if rank == 0:
-                    save_gpu_timeline(prof, a.out, f"{a.phase}_slots{n}")
+    run = SimpleNamespace(a=a, rank=rank, world=world, cuda=cuda, bridge=bridge, models=models, bucket=bucket,
+                          res=res, transport=transport, client=client, barrier=barrier, sync_all=sync_all,
+                          timed_sync=timed_sync, set_slots=set_slots)
 
     def s_trainer_logits():
         ref = logits()
@@ -520,10 +442,10 @@ def run_trainer(a) -> None:
         section("fresh_weights", s_fresh_weights)
         section("rx_logits", s_rx_logits)
         if a.phase == "nccl" and not a.skip_baseline:
-            section("baseline", s_baseline)
+            section("baseline", lambda: weight_sync_probes.tensor_by_tensor(run))
         section("trainer_logits", s_trainer_logits)
         if a.profile:
-            section("profile", s_profile)
+            section("profile", lambda: weight_sync_probes.profile_sync(run))
     finally:
         if rank == 0 and transport is not None:
             transport.close()

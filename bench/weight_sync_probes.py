@@ -1,0 +1,105 @@
+"""Weight-sync benchmark, trainer side: the two probes beside the timed syncs (weight_sync_trainer.py
+runs them as sections of a phase).
+
+    tensor_by_tensor(run)   the baseline: mbridge's export, one broadcast per tensor
+    profile_sync(run)       where one sync's time goes (plan check profile, GPU timelines)
+
+`run`: the trainer's run (its arguments, rank, model, transport, receiver client, result dict and
+helpers: barrier, sync_all, timed_sync, set_slots); results go into run.res.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from skyrl_mega.weight_sync.export import get_exporter
+
+
+def tensor_by_tensor(run) -> None:
+    """The baseline: mbridge's export, one broadcast per tensor (nccl phase): res["tensor_by_tensor"]."""
+    meta = [(n, str(t.dtype).split(".")[-1], list(t.shape)) for n, t in run.bridge.export_hf(run.models)]
+    th = None
+    if run.rank == 0:
+        th = threading.Thread(target=run.client.call, args=("x_per_tensor", {"meta": meta}))
+        th.start()
+    run.barrier()
+    run.sync_all()
+    t = time.perf_counter()
+    for n, tens in run.bridge.export_hf(run.models):
+        if run.rank == 0:
+            run.transport.comm.broadcast(tens.contiguous(), 0).wait()
+    run.sync_all()
+    if run.rank == 0:
+        th.join()
+    dt = time.perf_counter() - t
+    nbytes = 0
+    for _, d, shp in meta:
+        k = 1
+        for x in shp:
+            k *= x
+        nbytes += k * (2 if d == "bfloat16" else 4)
+    run.res["tensor_by_tensor"] = {"tensors": len(meta), "bytes": nbytes, "seconds": dt, "GBps": nbytes / dt / 1e9}
+
+
+def profile_sync(run) -> None:
+    """Where one sync's time goes: cProfile of the plan check on every rank, and the GPU
+    timeline (kernels, copies) of one end-to-end sync on rank 0 (torch.profiler)."""
+    import cProfile
+    import io
+    import pstats
+
+    ex = get_exporter(run.bridge, run.models, run.bucket, "auto")
+    # the by-name tensor lookup that opens every sync, timed warm (back to back), after the
+    # thread slept, and right after a CUDA synchronize (as in the timed syncs)
+    idx, lk = ex.check.index, {}
+    for label, before in (("warm", lambda: None), ("after_sleep", lambda: time.sleep(0.05)),
+                          ("after_cuda_sync", run.sync_all)):
+        ms = []
+        for _ in range(10):
+            before()
+            t = time.perf_counter()
+            idx.lookup()
+            ms.append((time.perf_counter() - t) * 1e3)
+        lk[label] = {"min": min(ms), "median": sorted(ms)[len(ms) // 2]}
+    run.res.setdefault("lookup_ms", {})[str(run.rank)] = {"tensors": len(idx.keys), **lk}
+    for _ in range(2):
+        run.barrier()
+        run.sync_all()
+        t = time.perf_counter()
+        ex.plan()
+        run.res.setdefault("plan_check_ms", {}).setdefault(str(run.rank), []).append((time.perf_counter() - t) * 1e3)
+    run.barrier()
+    pr = cProfile.Profile()
+    pr.enable()
+    ex.plan()
+    pr.disable()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(14)
+    print(f"[bench] rank {run.rank} plan() profile:\n{text.getvalue()}", flush=True)
+    run.res.setdefault("plan_profile", {})[str(run.rank)] = text.getvalue()[-3000:]
+    if not run.cuda:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    if run.rank == 0:
+        run.client.call("x_profile_next", {"name": f"{run.a.phase}_rx"})  # the receiver's side of the same sync
+    run.barrier()
+    run.sync_all()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run.timed_sync(150)
+    if run.rank == 0:
+        from weight_sync_bench import save_gpu_timeline
+
+        save_gpu_timeline(prof, run.a.out, run.a.phase)
+    if run.a.phase == "nccl" and run.world > 1:  # the sender's slot count, one timeline each
+        for n in (2, 4):
+            run.set_slots(n)
+            run.timed_sync(160 + n)  # first use of the new slots
+            run.barrier()
+            run.sync_all()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run.timed_sync(170 + n)
+            if run.rank == 0:
+                save_gpu_timeline(prof, run.a.out, f"{run.a.phase}_slots{n}")
+
