@@ -17,7 +17,7 @@ CudaIpcTransport: the receiver copies straight out of the trainer's parameter bu
 device-to-device copy of 4 GiB measured in the same run.
 Correctness in both phases: a verified sync (per-tensor checksums on both ends), a
 deliberately corrupted bucket that must fail, and receiver logits vs the trainer's own
-(Megatron) logits after the sync (bf16; tolerance in weight_sync_trainer.TOL).
+(Megatron) logits after the sync (bf16; tolerance in weight_sync_probes.TOL).
 This file: the driver, the receiver process and the report; the trainer ranks' phases are in
 bench/weight_sync_trainer.py.
 Writes OUT/results.json and prints a markdown table.

@@ -1,8 +1,9 @@
-"""Weight-sync benchmark, trainer side: the two probes beside the timed syncs (weight_sync_trainer.py
+"""Weight-sync benchmark, trainer side: the probes and checks beside the timed syncs (weight_sync_trainer.py
 runs them as sections of a phase).
 
     tensor_by_tensor(run)   the baseline: mbridge's export, one broadcast per tensor
     profile_sync(run)       where one sync's time goes (plan check profile, GPU timelines)
+    logits_check(run, ref)  the receiver's logits against the trainer's, within TOL
 
 `run`: the trainer's run (its arguments, rank, model, transport, receiver client, result dict and
 helpers: barrier, sync_all, timed_sync, set_slots); results go into run.res.
@@ -10,10 +11,20 @@ helpers: barrier, sync_all, timed_sync, set_slots); results go into run.res.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
+import torch
+
 from skyrl_mega.weight_sync.export import get_exporter
+
+# bf16 logits of two implementations (Megatron local spec vs transformers) on identical weights.
+# "noise_x": max |receiver - trainer| may be at most this multiple of the receiver's own bf16
+# rounding noise on the same weights (max |transformers bf16 - transformers fp32|, measured in
+# the run): top-k routing turns rounding differences into expert flips, so a fixed fraction of
+# the logit range says little; the noise floor of one implementation does.
+TOL = {"cosine_min": 0.999, "noise_x": 2.0}
 
 
 def tensor_by_tensor(run) -> None:
@@ -103,3 +114,33 @@ def profile_sync(run) -> None:
             if run.rank == 0:
                 save_gpu_timeline(prof, run.a.out, f"{run.a.phase}_slots{n}")
 
+
+def _compare(run, label: str, rx_file: str, ref) -> None:
+    """run.res[label]: the receiver's saved logits (rx_file) against `ref`."""
+    from safetensors.torch import load_file
+
+    got = load_file(os.path.join(run.a.out, rx_file))["logits"].float()
+    r = ref.float().reshape(-1)
+    g = got.reshape(-1)
+    cos = torch.nn.functional.cosine_similarity(r, g, dim=0).item()
+    mx = (r - g).abs().max().item()
+    run.res[label] = {"max_abs": mx, "mean_abs": (r - g).abs().mean().item(), "ref_max": r.abs().max().item(),
+                      "rel": mx / max(r.abs().max().item(), 1e-12), "cosine": cos,
+                      "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+
+
+def logits_check(run, ref) -> None:
+    """The receiver's logits before and after the sync against the trainer's own (`ref`, every
+    rank computed them), and the receiver's bf16 noise floor; the verdict against TOL."""
+    if run.rank == 0:
+        _compare(run, "logits_before_sync", f"{run.a.phase}_rx_before.safetensors", ref)
+        _compare(run, "logits_after_sync", f"{run.a.phase}_rx_synced.safetensors", ref)
+        from safetensors.torch import load_file
+
+        rx16 = load_file(os.path.join(run.a.out, f"{run.a.phase}_rx_synced.safetensors"))["logits"].float()
+        _compare(run, "rx_bf16_noise", f"{run.a.phase}_rx_synced_fp32.safetensors", rx16)
+        lg = run.res["logits_after_sync"]
+        lg["noise_floor_max_abs"] = run.res["rx_bf16_noise"]["max_abs"]
+        lg["pass"] = (lg["cosine"] >= TOL["cosine_min"]
+                      and lg["max_abs"] <= TOL["noise_x"] * max(lg["noise_floor_max_abs"], 1e-6))
+        lg["tolerance"] = TOL

@@ -23,14 +23,6 @@ from bench import weight_sync_probes  # noqa: E402
 
 GiB = 1 << 30
 
-# bf16 logits of two implementations (Megatron local spec vs transformers) on identical weights.
-# "noise_x": max |receiver - trainer| may be at most this multiple of the receiver's own bf16
-# rounding noise on the same weights (max |transformers bf16 - transformers fp32|, measured in
-# the run): top-k routing turns rounding differences into expert flips, so a fixed fraction of
-# the logit range says little; the noise floor of one implementation does.
-TOL = {"cosine_min": 0.999, "noise_x": 2.0}
-
-
 def fixed_ids(vocab: int, n: int = 2, seq: int = 32):
     import torch
 
@@ -114,18 +106,6 @@ def run_trainer(a) -> None:
         sync_all()
         dt = time.perf_counter() - t
         return dt, m
-
-    def compare(label, rx_file, ref):
-        from safetensors.torch import load_file
-
-        got = load_file(os.path.join(a.out, rx_file))["logits"].float()
-        r = ref.float().reshape(-1)
-        g = got.reshape(-1)
-        cos = torch.nn.functional.cosine_similarity(r, g, dim=0).item()
-        mx = (r - g).abs().max().item()
-        res[label] = {"max_abs": mx, "mean_abs": (r - g).abs().mean().item(), "ref_max": r.abs().max().item(),
-                      "rel": mx / max(r.abs().max().item(), 1e-12), "cosine": cos,
-                      "argmax_agree": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
 
     import traceback
 
@@ -414,21 +394,6 @@ def run_trainer(a) -> None:
                           res=res, transport=transport, client=client, barrier=barrier, sync_all=sync_all,
                           timed_sync=timed_sync, set_slots=set_slots)
 
-    def s_trainer_logits():
-        ref = logits()
-        if rank == 0:
-            compare("logits_before_sync", f"{a.phase}_rx_before.safetensors", ref)
-            compare("logits_after_sync", f"{a.phase}_rx_synced.safetensors", ref)
-            from safetensors.torch import load_file
-
-            rx16 = load_file(os.path.join(a.out, f"{a.phase}_rx_synced.safetensors"))["logits"].float()
-            compare("rx_bf16_noise", f"{a.phase}_rx_synced_fp32.safetensors", rx16)
-            lg = res["logits_after_sync"]
-            lg["noise_floor_max_abs"] = res["rx_bf16_noise"]["max_abs"]
-            lg["pass"] = (lg["cosine"] >= TOL["cosine_min"]
-                          and lg["max_abs"] <= TOL["noise_x"] * max(lg["noise_floor_max_abs"], 1e-6))
-            lg["tolerance"] = TOL
-
     try:
         section("init", s_init)
         section("warmup", s_warmup)
@@ -443,7 +408,7 @@ def run_trainer(a) -> None:
         section("rx_logits", s_rx_logits)
         if a.phase == "nccl" and not a.skip_baseline:
             section("baseline", lambda: weight_sync_probes.tensor_by_tensor(run))
-        section("trainer_logits", s_trainer_logits)
+        section("trainer_logits", lambda: weight_sync_probes.logits_check(run, logits()))
         if a.profile:
             section("profile", lambda: weight_sync_probes.profile_sync(run))
     finally:
