@@ -44,6 +44,10 @@ PRESETS = {
 }
 
 
+# spec variants: a model.spec value and the overrides that make the variant
+VARIANTS = {"fast-unfused": ("fast", ["model.fused_kernels=off"])}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -51,7 +55,8 @@ def parse_args(argv=None):
                  "batch", "min_len", "max_len", "max_tokens", "steps", "warmup", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument("--specs", default="local,fast", help="comma-separated model.spec values, timed in this order")
+    p.add_argument("--specs", default="local,fast",
+                   help="comma-separated model.spec values (or " + ", ".join(VARIANTS) + "), timed in this order")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="profile one more step of the last spec; tables written here")
@@ -90,6 +95,10 @@ def matmul_ceiling_tflops(n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+               "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+
+
 def profile_step(policy, batch, cfg, path: str) -> None:
     """One train step under torch.profiler: the top ops by device and by host self time."""
     import torch
@@ -116,6 +125,19 @@ def profile_step(policy, batch, cfg, path: str) -> None:
                 except (AttributeError, KeyError, ValueError):
                     continue
         f.write(avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
+        # what makes the host wait for the device: each of these drains the GPU's queue
+        f.write("host-device syncs (calls, host ms):\n")
+        for e in avg:
+            if any(s in e.key for s in SYNC_EVENTS):
+                f.write(f"  {e.key:40s} {e.count:7d} {e.cpu_time_total / 1e3:10.1f}\n")
+
+
+def step_phases(m: dict) -> dict:
+    """The train step's phases (seconds) from its metrics: the plan (micro-batch layout, R3
+    route alignment: host work before the first forward), forward+backward, optimizer."""
+    fb, opt = m["time/forward_backward"], m["time/optimizer"]
+    return {"plan": m["time/step"] - fb - opt - m["time/old_logprobs"] - m["time/ref_logprobs"],
+            "fwd_bwd": fb, "optimizer": opt}
 
 
 def time_spec(spec: str, args, path: str, flops: float, lengths) -> dict:
@@ -125,17 +147,18 @@ def time_spec(spec: str, args, path: str, flops: float, lengths) -> dict:
     from skyrl_mega.megatron.policy import build_policy
     from skyrl_mega.megatron.train_step import train_step
 
+    model_spec, variant = VARIANTS.get(spec, (spec, []))
     cfg = load_config(None, [
-        f"model.path={path}", f"model.dtype={args.dtype}", f"model.spec={spec}", "optim.lr=1e-6",
+        f"model.path={path}", f"model.dtype={args.dtype}", f"model.spec={model_spec}", "optim.lr=1e-6",
         "algorithm.routing_replay=true", "algorithm.old_logprobs=rollout", "train.packing=true",
-        f"train.max_tokens_per_microbatch={args.max_tokens}", *args.overrides,
+        f"train.max_tokens_per_microbatch={args.max_tokens}", *variant, *args.overrides,
     ])
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     policy = build_policy(cfg, total_steps=10_000)
     batch, _ = make_batch(args, len(policy.bridge.moe_layers), 1, 0)
-    times = []
+    times, phase_times = [], []
     for step in range(args.warmup + args.steps):
         if cuda:
             torch.cuda.synchronize()
@@ -144,16 +167,20 @@ def time_spec(spec: str, args, path: str, flops: float, lengths) -> dict:
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
+        phases = step_phases(m)
         print(f"{spec:6s} step {step} {dt * 1e3:9.1f} ms  micro-batches {int(m['num_microbatches'])}  "
-              f"r3 {m['r3/coverage']:.3f}  loss {m['loss']:.4f}", flush=True)
+              f"r3 {m['r3/coverage']:.3f}  loss {m['loss']:.4f}  "
+              + "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()), flush=True)
         if step >= args.warmup:
             times.append(dt)
+            phase_times.append(phases)
     if args.profile and spec == args.specs.split(",")[-1]:
         profile_step(policy, batch, cfg, args.profile)
     med = statistics.median(times)
     out = {"median_step_s": med, "step_s": times, "tokens_per_s": sum(lengths) / med,
            "model_tflops": flops / med / 1e12, "r3_coverage": m["r3/coverage"],
-           "num_microbatches": m["num_microbatches"], "spec_built": policy.bridge.spec}
+           "num_microbatches": m["num_microbatches"], "spec_built": policy.bridge.spec,
+           "phases_s": {k: statistics.median(p[k] for p in phase_times) for k in phase_times[0]}}
     if cuda:
         out["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del policy, batch

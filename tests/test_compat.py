@@ -141,3 +141,32 @@ def test_optimizer_state_shims():
     for p, b in zip(params, before):
         assert torch.allclose(b - p.detach(), torch.full_like(b, expected), atol=1e-6)
     assert {"megatron_core.optimizer_state", "megatron_core.adam_steps"} <= set(compat.applied())
+
+
+def test_foreach_grad_norm_equals_megatron_local_norm():
+    """The grad-norm shim: the same total norm as megatron's local fallback (and a float64
+    reference), the same clipping scale, and clip_grads uses it once applied."""
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads
+
+    from skyrl_mega.compat import applied
+    from skyrl_mega.compat.megatron_core import apply_optimizer_shims, foreach_l2_norm, foreach_scale
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(*shape, generator=g) for shape in [(7, 5), (3,), (64, 16), (1,)]]
+    ref = torch.sqrt(sum((x.double() ** 2).sum() for x in grads))
+    norm, none = foreach_l2_norm(2048 * 32, None, [grads], False)
+    assert none is None and norm.shape == (1,) and norm.dtype == torch.float32
+    assert abs(norm.item() - ref.item()) <= 1e-6 * ref.item()
+    # megatron's local_multi_tensor_l2_norm's math (it puts its answer on "cuda", so not called here)
+    local = torch.norm(torch.tensor([torch.norm(x) for x in grads]))
+    assert abs(norm.item() - local.item()) <= 1e-6 * ref.item()
+    copies, want = [x.clone() for x in grads], [x * 0.25 for x in grads]
+    foreach_scale(0, None, [copies, copies], 0.25)  # in place, as clip_grads calls it
+    out = [torch.empty_like(x) for x in grads]
+    foreach_scale(0, None, [grads, out], 0.25)
+    assert all(torch.equal(a, b) and torch.equal(c, b) for a, b, c in zip(copies, want, out))
+    assert apply_optimizer_shims() == ["foreach_grad_norm"]  # no apex / TE here: megatron's fallback was in use
+    assert clip_grads.l2_norm_impl is foreach_l2_norm and clip_grads.multi_tensor_scale_impl is foreach_scale
+    assert "megatron_core.foreach_grad_norm" in applied()
+    assert apply_optimizer_shims() == ["foreach_grad_norm"]  # idempotent

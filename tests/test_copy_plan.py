@@ -11,6 +11,7 @@ bytes a tensor-by-tensor copy lands.
 import pytest
 import torch
 
+from skyrl_mega.weight_sync import row_copy
 from skyrl_mega.weight_sync.copy_plan import CopyPlan
 
 
@@ -60,6 +61,41 @@ def test_copy_plan_matches_per_tensor_copies(descending, n1, n2, pad, mode, monk
     o1, o2 = offs[3]
     assert torch.equal(gate_up[3].view(torch.uint8), src[o1: o1 + n1 * 2])
     assert torch.equal(down[3].view(torch.uint8), src[o2: o2 + n2 * 2])
+
+
+def test_every_timed_way_lands_the_same_bytes():
+    """The ways `chain_mode="auto"` times on CUDA (CopyPlan.WAYS), bound and launched here on the
+    CPU one by one: each lands exactly the bytes, and the big-runs-in-foreach way puts the big
+    runs in the multi-tensor lists (one launch) instead of one copy each."""
+    E, n1, n2 = 6, 4096, 2048
+    offs, total = _layout(E, n1, n2, descending=True)
+    src = torch.randint(0, 256, (total + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    for name, (mode, loop_big) in CopyPlan.WAYS.items():
+        gate_up, down = torch.zeros(E, n1, dtype=torch.bfloat16), torch.zeros(E, n2, dtype=torch.bfloat16)
+        if mode == "row_copy" and not row_copy.available(gate_up):
+            continue  # the Triton kernel runs on CUDA (tests/test_copy_plan_gpu.py)
+        lone = torch.zeros(1 << 19, dtype=torch.bfloat16)  # 1 MiB: a big run of its own
+        cp = CopyPlan()
+        gu_flat, down_flat = gate_up.view(-1), down.view(-1)  # one flat view per parameter, as receivers keep
+        for e, (o1, o2) in enumerate(offs):
+            cp.add("s", o1, torch.bfloat16, gu_flat, e * n1, n1, 2 * e)
+            cp.add("s", o2, torch.bfloat16, down_flat, e * n2, n2, 2 * e + 1)
+        src_big = torch.randint(0, 256, (lone.numel() * 2,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+        cp.add("b", 0, torch.bfloat16, lone, 0, lone.numel(), 2 * E)
+        sources = {"s": src, "b": src_big}
+        chains, rest = cp._chains()
+        bound = cp._bound_as(mode, chains, rest, sources, loop_big)
+        assert bound is not None, name
+        CopyPlan._launch(*bound)
+        for e, (o1, o2) in enumerate(offs):
+            assert torch.equal(gate_up[e].view(torch.uint8), src[o1: o1 + n1 * 2]), (name, e)
+            assert torch.equal(down[e].view(torch.uint8), src[o2: o2 + n2 * 2]), (name, e)
+        assert torch.equal(lone.view(torch.uint8), src_big), name
+        assert len(bound[1]) == (1 if loop_big else 0), name  # the big run: looped, or in the foreach lists
+        assert len(bound[0]) == (0 if mode == "foreach" else 2), name  # gate_up's and down's chains
+    cp = CopyPlan()  # no big run: the big-runs-in-foreach way would copy the same way, so it is not timed
+    cp.add("s", 0, torch.bfloat16, torch.zeros(8, dtype=torch.bfloat16), 0, 8, 0)
+    assert cp._bound_as("index_select", [], cp.runs, {"s": src}, loop_big=False) is None
 
 
 def test_byte_runs_merge_only_back_to_back_pieces_of_one_storage():

@@ -33,9 +33,20 @@ def test_fast_spec_equals_local_spec(family, layout, request, tmp_path):
     run_torchrun(os.path.join(REPO, "tests/workers/fast_spec_worker.py"), nproc,
                  [str(tmp_path), f"model.path={model}", *extra], timeout=400, log_file=str(tmp_path / "log.txt"))
     r = json.load(open(tmp_path / "fast_spec.json"))
-    assert r["local"]["slots"] == {"experts": ["SequentialMLP"], "core_attention": ["SdpaDotProductAttention"]}
-    assert r["fast"]["slots"] == {"experts": ["GroupedGemmExperts"], "core_attention": ["VarlenDotProductAttention"]}
+    local, fast = r["local"]["slots"], r["fast"]["slots"]
+    assert (local["experts"], local["core_attention"]) == (["SequentialMLP"], ["SdpaDotProductAttention"])
+    assert (fast["experts"], fast["core_attention"]) == (["GroupedGemmExperts"], ["VarlenDotProductAttention"])
+    # (the hybrids' other layers hold an IdentityOp / MLP in these slots)
+    assert "SelfAttention" in local["self_attention"] and "SelfAttention" not in fast["self_attention"]
+    assert "PackedRopeSelfAttention" in fast["self_attention"]
+    assert "MoELayer" in local["mlp"] and "MoELayer" not in fast["mlp"] and "SyncFreeMoELayer" in fast["mlp"]
     assert r["local"]["grouped_gemms"] == 0 and r["fast"]["grouped_gemms"] > 0  # the grouped path ran
+    # the sync-free dispatch where every expert is local, megatron's dispatcher where tokens move
+    local_experts = layout == "ws1"
+    assert fast["token_dispatcher"] == (["LocalExpertsDispatcher"] if local_experts else local["token_dispatcher"])
+    assert (r["fast"]["device_sorts"] > 0) == local_experts and r["local"]["device_sorts"] == 0
+    # RoPE from device positions wherever the family has RoPE on THD (Nemotron 3's attention has none)
+    assert (r["fast"]["packed_rope_calls"] > 0) == (family != "nemotron3") and r["local"]["packed_rope_calls"] == 0
     assert r["fast"]["r3_coverage"] == r["local"]["r3_coverage"] == 1.0
     for name in ("logprobs", "grads", "weights_after_update"):
         assert r[f"{name}_rel_diff"] < 1e-5, (name, r)

@@ -3,8 +3,9 @@
 - varlen flash attention over a packed row equals per-sequence causal SDPA (the local spec's
   math) in output and q / k / v gradients, GQA included;
 - the fast spec vs the local spec on a real torchrun rank in bf16 (tests/workers/fast_spec_worker.py,
-  R3 replaying the same routes): the grouped GEMM and varlen paths ran, and logprobs, RL-loss
-  gradients and updated weights agree within bf16 tolerance.
+  R3 replaying the same routes): the grouped GEMM, varlen, sync-free dispatch / RoPE and fused
+  (torch.compile) paths ran, and logprobs, RL-loss gradients and updated weights agree within
+  bf16 tolerance.
 """
 
 import json
@@ -60,5 +61,10 @@ def test_fast_spec_equals_local_spec_bf16(family, request, tmp_path):
     print(json.dumps({k: v for k, v in r.items() if "diff" in k}))
     assert r["fast"]["grouped_gemms"] > 0
     assert r["fast"]["varlen_attention_calls"] > 0 and r["local"]["varlen_attention_calls"] == 0
+    # no host syncs in the layers: the local-experts dispatch, RoPE from device positions (Qwen3's)
+    assert r["fast"]["slots"]["token_dispatcher"] == ["LocalExpertsDispatcher"] and r["fast"]["device_sorts"] > 0
+    assert (r["fast"]["packed_rope_calls"] > 0) == (family == "qwen3_moe")
+    # the fused chains were compiled (norm; SwiGLU and RoPE where the family has them)
+    assert r["local"]["compiled_chains"] == 0 and r["fast"]["compiled_chains"] == (3 if family == "qwen3_moe" else 1)
     assert r["logprobs_max_diff"] < 0.1
     assert r["grads_rel_diff"] < 5e-2 and r["weights_after_update_rel_diff"] < 1e-2

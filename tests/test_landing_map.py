@@ -7,6 +7,8 @@ reference is its own load_weights on the same tensors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,9 +121,15 @@ def test_map_is_refused_for_loaders_that_do_more_than_copy_bytes():
 def test_map_goes_stale_when_parameters_move():
     m = VllmLike()
     lmap = landing_map.learn(m, _specs(_tensors(0)), "cpu")
-    assert lmap.fresh(m)
-    m.w2 = torch.nn.Parameter(torch.zeros(E, H, I), requires_grad=False)
+    assert lmap.fresh(m) and lmap.slots  # the quick check (no module walk)
+    m.w2 = torch.nn.Parameter(torch.zeros(E, H, I), requires_grad=False)  # a replaced parameter
     assert not lmap.fresh(m)
+    m = VllmLike()
+    lmap = landing_map.learn(m, _specs(_tensors(0)), "cpu")
+    m.w2.data = torch.zeros(E, H, I)  # the same parameter, moved to new memory
+    assert not lmap.fresh(m)
+    without_slots = dataclasses.replace(lmap, slots=())  # the full walk says the same
+    assert not without_slots.fresh(m)
 
 
 def test_learning_failure_is_a_reason_not_an_exception():

@@ -28,6 +28,11 @@ Adam (no TE / apex):
                     param-group step after the load                          >=0.16.1
   tests: tests/test_compat.py::test_optimizer_state_shims; exact resume in
   tests/test_checkpoint.py
+megatron/optimizer.build_optimizer, before every optimizer is built, where clip_grads uses
+megatron's local fallbacks (no apex / TE):
+  foreach_grad_norm  the grad norm without one device sync per gradient tensor, and the
+                    clip scaling as one multi-tensor op (torch._foreach)     >=0.16.1
+  test: tests/test_compat.py::test_foreach_grad_norm_equals_megatron_local_norm
 megatron/gated_delta_net.gdn_class(), the spec entry of Qwen3.5's GDN layers:
   packed_gdn        megatron's GatedDeltaNet refuses packed (THD) sequences before 0.18; its
                     subclass PackedGatedDeltaNet takes them (seq_idx conv, cu_seqlens recurrence)

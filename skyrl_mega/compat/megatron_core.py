@@ -1,8 +1,9 @@
 """megatron-core shims: running on CPU (gloo), and the distributed optimizer's torch-Adam state.
 
 In:  nothing at import (no side effects). `apply_cpu_shims()` once per process before a model is
-     built; `ensure_optimizer_state(optimizer)` / `restore_adam_steps(optimizer)` around a
-     dist-ckpt optimizer load.
+     built; `apply_optimizer_shims()` before an optimizer is built;
+     `ensure_optimizer_state(optimizer)` / `restore_adam_steps(optimizer)` around a dist-ckpt
+     optimizer load.
 Out: megatron-core runs forward / backward / optimizer / dist-ckpt on CPU with gloo, and a
      resumed torch Adam continues with the uninterrupted run's bias correction. Each shim is
      applied only where its guard holds (`SHIMS`: version range read from megatron-core's source,
@@ -58,6 +59,13 @@ SHIMS = (
          "after a dist-ckpt load torch Adam's per-parameter 'step' is not the checkpoint's; it is "
          "reset from the param group's step", "tests/test_compat.py::test_optimizer_state_shims",
          _TORCH_ADAM),
+    Shim("megatron_core", "foreach_grad_norm", "megatron-core", ">=0.16.1", _READ,
+         "without apex / TE, clip_grads falls back to utils.local_multi_tensor_l2_norm, which builds "
+         "a host tensor from every gradient's norm (one device sync per parameter tensor, ~1000 a "
+         "step on a 64-expert model) and scales gradients one kernel per tensor; clip_grads' "
+         "l2_norm_impl / multi_tensor_scale_impl become torch._foreach versions (no sync)",
+         _TEST + "test_foreach_grad_norm_equals_megatron_local_norm",
+         "clip_grads uses megatron's local fallbacks (no apex / TE)"),
     Shim("megatron_core", "packed_gdn", "megatron-core", ">=0.16.1,<0.18", "0.16.1, 0.19.2",
          "GatedDeltaNet.forward raises NotImplementedError for packed (THD) sequences before 0.18; "
          "the spec builds megatron/gated_delta_net.PackedGatedDeltaNet, a subclass whose forward "
@@ -313,6 +321,43 @@ def apply_cpu_shims() -> list[str]:
             _CPU_APPLIED.append(name)
             mark_applied(shim)
     return list(_CPU_APPLIED)
+
+
+# --------------------------------------------------------------------------- foreach_grad_norm
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract (the total L2 norm of tensor_lists[0] as a float32
+    [1] tensor, None) from torch's multi-tensor norm, on the tensors' device, without a sync."""
+    tensors = tensor_lists[0]
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract: tensor_lists[1][i] = tensor_lists[0][i] * scale."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def apply_optimizer_shims() -> list[str]:
+    """Before building an optimizer: megatron's grad-norm fallbacks -> foreach ones where the
+    `foreach_grad_norm` guard holds; idempotent. Returns the names applied now or before."""
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads
+
+    shim = SHIMS_BY_NAME["foreach_grad_norm"]
+    if not shim.needed_here():
+        return []
+    if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    if clip_grads.multi_tensor_scale_impl is mutils.local_multi_tensor_scale:
+        clip_grads.multi_tensor_scale_impl = foreach_scale
+    if clip_grads.l2_norm_impl is foreach_l2_norm:
+        mark_applied(shim)
+        return ["foreach_grad_norm"]
+    return []
 
 
 # --------------------------------------------------------------------------- optimizer state

@@ -16,6 +16,7 @@ class ModelConfig:
     path: Optional[str] = None  # HF checkpoint directory (required; `skyrl-mega demo` makes a tiny one)
     dtype: str = "float32"  # float32 | bfloat16
     spec: str = "auto"  # auto | te | local | fast (auto: TE if it imports, else fast with CUDA, else local)
+    fused_kernels: str = "auto"  # auto | on | off: the fast spec's fused norm / SwiGLU / RoPE (torch.compile; auto: on CUDA)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from ..errors import UserError
 from .field_checks import SEQUENCE_LEVEL, at_least, choice, field_problems
 
 MODEL_DTYPES = ("float32", "bfloat16")
+FUSION_MODES = ("auto", "on", "off")  # megatron/kernels/fused.py MODES
 # model families whose sequence mixers have no context-parallel split in the project's specs
 CP_UNSUPPORTED = {"nemotron_h": "Mamba2", "qwen3_5_moe": "Gated DeltaNet", "qwen3_5_moe_text": "Gated DeltaNet"}
 
@@ -73,7 +74,8 @@ def model_problems(cfg) -> list[str]:
         why = "the directory does not exist" if not os.path.isdir(m.path) else "no config.json in it"
         out.append(f"model.path: no checkpoint at {m.path} ({why}): fix model.path, or make a tiny random "
                    "one with `skyrl-mega make-tiny FAMILY DIR`")
-    return out + choice("model.dtype", m.dtype, MODEL_DTYPES) + spec_problems(m.spec)
+    return (out + choice("model.dtype", m.dtype, MODEL_DTYPES) + choice("model.fused_kernels", m.fused_kernels, FUSION_MODES)
+            + spec_problems(m.spec))
 
 
 def layout_problems(cfg, world: int) -> list[str]:

@@ -7,7 +7,9 @@ Out: the attention output ([s, b, hidden] / [t, 1, hidden]), computed with torch
 
 `SdpaDotProductAttention` is the core-attention entry of skyrl's local layer spec
 (specs/local.py); `VarlenDotProductAttention`, the fast spec's (specs/fast.py), runs the packed
-path as one varlen flash-attention call (kernels/varlen_attention.py) where that kernel runs. Why: megatron-core's DotProductAttention asserts `packed_seq_params is None`
+path as one varlen flash-attention call (kernels/varlen_attention.py) where that kernel runs,
+without reading cu_seqlens back to the host (the longest sequence is the plan's, from
+PackedSeqParams.max_seqlen_q). Why: megatron-core's DotProductAttention asserts `packed_seq_params is None`
 (THD is a TEDotProductAttention feature; unchanged from 0.16.1 to 0.19). Everything else on the
 THD path already works without TE: the attention module squeezes q/k/v to [t, heads, dim] and
 applies RoPE per sequence from cu_seqlens_padded (megatron's unfused
@@ -111,13 +113,19 @@ class SdpaDotProductAttention(DotProductAttention):
             if self._dropout_p() > 0:
                 raise ValueError("attention dropout is not supported with context parallelism on the local spec")
             return cp_packed_attention(query, key, value, cu, self.cp_group, self._attend_from).reshape(t, 1, -1)
+        return self._packed(query, key, value, cu, packed_seq_params).reshape(t, 1, -1)
+
+    @staticmethod
+    def _bounds(cu, t: int) -> list[int]:
+        """The packed row's sequence starts on the host (a device sync when cu is on the GPU)."""
         bounds = [int(x) for x in cu.tolist()]
         if bounds[-1] != t:
             raise ValueError(f"cu_seqlens end at {bounds[-1]} but the packed row has {t} tokens")
-        return self._packed(query, key, value, cu, bounds, packed_seq_params).reshape(t, 1, -1)
+        return bounds
 
-    def _packed(self, query, key, value, cu, bounds, packed_seq_params):
-        """[t, np, hn] q / k / v of sequences starting at `bounds` -> [t, np, hn], causal per sequence."""
+    def _packed(self, query, key, value, cu, packed_seq_params):
+        """[t, np, hn] q / k / v of the sequences cu delimits -> [t, np, hn], causal per sequence."""
+        bounds = self._bounds(cu, query.shape[0])
         outs = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b == a:
@@ -134,8 +142,13 @@ class VarlenDotProductAttention(SdpaDotProductAttention):
     attention dropout in training), instead of one SDPA call per sequence: the fast spec's core
     attention. Same math (causal within each padded sequence), same (no) state."""
 
-    def _packed(self, query, key, value, cu, bounds, packed_seq_params):
+    def _packed(self, query, key, value, cu, packed_seq_params):
         if not varlen_runs(query) or self._dropout_p() > 0:
-            return super()._packed(query, key, value, cu, bounds, packed_seq_params)
-        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        return varlen_causal_attention(query, key, value, cu, longest, scale=self.softmax_scale)
+            return super()._packed(query, key, value, cu, packed_seq_params)
+        # the longest padded sequence comes from the host (the micro-batch plan); reading it off
+        # cu would sync the device in every layer
+        longest = packed_seq_params.max_seqlen_q
+        if longest is None:
+            bounds = self._bounds(cu, query.shape[0])
+            longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        return varlen_causal_attention(query, key, value, cu, int(longest), scale=self.softmax_scale)

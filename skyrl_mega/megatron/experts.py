@@ -8,7 +8,7 @@ Out: the experts' outputs for those tokens ([T, hidden]) and no bias, as Sequent
 state dict, dist-checkpoint layout, bridge names and weight-sync export) whose forward stacks the
 experts' weights and runs each linear as one grouped GEMM (kernels/grouped_mm.py) instead of one
 matmul per expert: fc1, the activation (gated or not, megatron's clamp and linear offset), the
-routing prob, fc2 (`expert_linear`: the weight gradient is one grouped GEMM added straight into
+routing prob (one fused kernel for SwiGLU on CUDA, kernels/fused.py), fc2 (`expert_linear`: the weight gradient is one grouped GEMM added straight into
 megatron's gradient buffer). The experts' linears need no communication of their own (megatron's dispatcher
 does the expert-parallel and expert-tensor-parallel exchange), so the math is per rank and equals
 SequentialMLP's; the weight gradients reach every expert's gradient buffer slice.
@@ -20,8 +20,10 @@ run (dtype, device, alignment).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from .kernels.fused import swiglu_probs
 from .kernels.grouped_mm import expert_linear, grouped_mm_runs
 
 
@@ -33,6 +35,11 @@ class GroupedGemmExperts(SequentialMLP):
         plain = not (cfg.fp8 or cfg.fp4 or cfg.add_bias_linear or getattr(cfg, "use_te_activation_func", False)
                      or getattr(cfg, "delay_wgrad_compute", False))
         return plain and grouped_mm_runs(hidden, w1) and grouped_mm_runs(hidden.new_empty(0, w2.shape[-1]), w2)
+
+    def _plain_swiglu(self) -> bool:
+        cfg = self.config
+        return (cfg.gated_linear_unit and cfg.activation_func is F.silu
+                and getattr(cfg, "activation_func_clamp_value", None) is None and not getattr(cfg, "glu_linear_offset", 0.0))
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -58,5 +65,8 @@ class GroupedGemmExperts(SequentialMLP):
             probs = torch.ones_like(probs)
         offs = torch.as_tensor(tokens_per_expert, device=hidden.device).cumsum(0).to(torch.int32)
         inter = expert_linear(hidden, w1, offs)
-        inter = (self._activation(inter) * probs.unsqueeze(-1)).to(dtype)
+        if self._plain_swiglu():
+            inter = swiglu_probs(inter, probs)
+        else:
+            inter = (self._activation(inter) * probs.unsqueeze(-1)).to(dtype)
         return expert_linear(inter, w2, offs), None

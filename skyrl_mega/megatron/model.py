@@ -58,6 +58,9 @@ def build_model(cfg, wrap_with_ddp: bool = True, load_weights: bool = True, brid
     """Returns (bridge, model_chunks). DDP uses the distributed optimizer's bucket layout."""
     from megatron.core.distributed import finalize_model_grads
 
+    from .kernels.fused import set_fusion
+
+    set_fusion(cfg.model.fused_kernels)
     bridge = bridge or build_bridge(cfg)
     ddp_config = dict(
         grad_reduce_in_fp32=True,

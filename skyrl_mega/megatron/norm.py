@@ -7,11 +7,15 @@ Zero-centred gamma (the config's `layernorm_zero_centered_gamma`, Qwen3.5's norm
 starts at 0 and the norm scales by (1 + weight), the HF checkpoint's own convention, so weights
 copy across unchanged. A spec entry can pin `zero_centered` (Qwen3.5's gated GDN output norm
 keeps a plain weight while every other norm of that model is zero-centred).
+`FusedRMSNorm`, the fast spec's, computes the same formula as one fused kernel on CUDA
+(kernels/fused.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .kernels import fused
 
 
 class SequenceParallelRMSNorm(torch.nn.Module):
@@ -35,3 +39,10 @@ class SequenceParallelRMSNorm(torch.nn.Module):
         if self.zero_centered:  # HF Qwen3.5: (x * (1 + w)) in float32, then the input dtype
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
+
+
+class FusedRMSNorm(SequenceParallelRMSNorm):
+    """The same norm as one fused kernel where kernels/fused.py fuses (the fast spec's norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.rms_norm(x, self.weight, self.eps, self.zero_centered)

@@ -12,6 +12,9 @@ def build_optimizer(models, optim, total_steps: int, dtype: torch.dtype = torch.
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from ..compat.megatron_core import apply_optimizer_shims
+
+    apply_optimizer_shims()  # no per-tensor device syncs in the grad norm without apex / TE
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,

@@ -399,16 +399,17 @@ def shard_for_dp(lengths: Sequence[int], dp_size: int, dp_rank: int) -> list[int
     return [i for i in range(len(lengths)) if owner[i] == dp_rank]
 
 
-def thd_packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen: int):
+def thd_packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen: int, total_tokens: int | None = None):
     """megatron PackedSeqParams (qkv_format='thd') for one packed row: real and padded sequence
-    starts (int32, batch + 1), the longest padded sequence."""
+    starts (int32, batch + 1), the longest padded sequence, and the row's length (cu_seqlens_padded[-1];
+    pass it when cu is on the GPU, where reading it would sync the device)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     extra = {}
     if "total_tokens" in PackedSeqParams.__dataclass_fields__:
         # megatron-core 0.19: the Mamba layers read seq_idx from here, and it is built only
         # from total_tokens; without it their state would run across the packed sequences
-        extra["total_tokens"] = int(cu_seqlens_padded[-1])
+        extra["total_tokens"] = int(cu_seqlens_padded[-1]) if total_tokens is None else int(total_tokens)
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, cu_seqlens_q_padded=cu_seqlens_padded,
         cu_seqlens_kv_padded=cu_seqlens_padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, **extra,

@@ -307,9 +307,11 @@ class R3Replay:
             return _SwitchToReplayBackward.apply(output, self)
         return output
 
-    def set_microbatch(self, routes: Tensor) -> None:
+    def set_microbatch(self, routes: Tensor, complete: bool | None = None) -> None:
         """Targets for the next forward: routes [tokens_local, num_moe_layers, topk] in router
-        order (`microbatch_routes`); this rank's layers read their own columns."""
+        order (`microbatch_routes`); this rank's layers read their own columns. `complete`: no
+        row missing (-1), when the caller knows it already (read here otherwise: a device sync
+        when routes are on the GPU)."""
         if not self.active:
             raise RuntimeError("R3: set_microbatch outside R3Replay.session()")
         if routes.dim() != 3 or routes.shape[1] != len(self.moe_layers):
@@ -317,7 +319,8 @@ class R3Replay:
         # once per micro-batch, not per layer: the missing-row check on the host (a complete
         # micro-batch skips every layer's live top-k) and one copy to the routers' device, laid
         # out [layer, token, k] so that each layer's targets are a contiguous slice
-        complete = not bool((routes < 0).any())
+        if complete is None:
+            complete = not bool((routes < 0).any())
         by_layer = routes.to(self.device, dtype=torch.long).permute(1, 0, 2).contiguous()
         for r, col in zip(self.routers, self.columns):
             r.set_target_indices(by_layer[col], complete=complete)

@@ -152,6 +152,7 @@ def _model_inputs(layout: MicroBatchLayout, batch: RLBatch, plan: StepPlan, par:
     if layout.packed:
         mb["cu_seqlens"] = layout.cu_seqlens(False)
         mb["cu_seqlens_padded"] = layout.cu_seqlens(True)
+        mb["packed_total"] = int(mb["cu_seqlens_padded"][-1])
     if replay:
         mc = bridge.config
         segs = [plan.routes[s] if s >= 0 else None for s in layout.samples]
@@ -159,17 +160,19 @@ def _model_inputs(layout: MicroBatchLayout, batch: RLBatch, plan: StepPlan, par:
             layout, segs, num_moe_layers=len(bridge.moe_layers), topk=mc.moe_router_topk,
             num_experts=mc.num_moe_experts, tp_size=par.tp, tp_rank=par.tp_rank, sequence_parallel=par.sp,
         )
+        mb["routes_complete"] = not bool((mb["routes"] < 0).any())  # on the host, before the move
     return mb
 
 
 def _kwargs_fn(replay_handle: Optional[R3Replay]):
+    # mb's tensors are on the device here: whatever the host needs from them was read before
     def fn(mb):
         if replay_handle is not None:
-            replay_handle.set_microbatch(mb["routes"])
+            replay_handle.set_microbatch(mb["routes"], complete=mb.get("routes_complete"))
         if "cu_seqlens" not in mb:
             return {}
         return {"packed_seq_params": thd_packed_seq_params(mb["cu_seqlens"], mb["cu_seqlens_padded"],
-                                                           mb["layout"].max_seqlen)}
+                                                           mb["layout"].max_seqlen, mb.get("packed_total"))}
 
     return fn
 

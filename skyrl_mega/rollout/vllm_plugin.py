@@ -153,7 +153,10 @@ class SkyrlWorkerExtension:
         out = {"weight_version": getattr(self, "_skyrl_served_version", None),
                "at": [t_in, time.monotonic()]}  # this host's monotonic clock: the sender's timeline
         if c.get("finish"):
-            out["copy_ms"] = list(getattr(getattr(self, "weight_transfer_engine", None), "last_copy_ms", None) or [])
+            engine = getattr(self, "weight_transfer_engine", None)
+            out["copy_ms"] = list(getattr(engine, "last_copy_ms", None) or [])
+            if getattr(engine, "last_fresh_ms", None) is not None:
+                out["map_check_ms"] = engine.last_fresh_ms
         return out
 
     def skyrl_served_weight_version(self) -> dict:

@@ -16,9 +16,18 @@ from typing import Any, Callable
 import torch
 
 from ..rollout.errors import WeightSyncError
+from . import row_copy
 from .checksum import checksum_rows
 
 logger = logging.getLogger(__name__)
+
+
+def _index_select(d2: torch.Tensor, s2: torch.Tensor, rows: torch.Tensor) -> None:
+    torch.index_select(s2, 0, rows, out=d2)
+
+
+# how a strided chain (dst [k, n] block, src [*, n] row-strided view, row order) is copied, per mode
+_COPIERS = {"index_select": _index_select, "row_copy": row_copy.copy_rows}
 
 
 class CopyPlan:
@@ -59,10 +68,17 @@ class CopyPlan:
     # index_select into the destination block: a layer's gate_up / down experts in one kernel
     strided = True
     min_chain = 4
-    # how a chain is copied on CUDA: "index_select" (one gather kernel per chain), "foreach" (its
-    # runs in the _foreach_copy_ lists: vectorised multi-tensor copies) or "auto": both timed once
-    # when the plan is bound (the copies are idempotent), the faster kept (`tuned`)
+    # how a chain is copied on CUDA: "index_select" (one gather kernel per chain), "row_copy" (one
+    # Triton copy kernel per chain, row_copy.py), "foreach" (its runs in the _foreach_copy_ lists:
+    # vectorised multi-tensor copies) or "auto": the ways in
+    # WAYS timed once when the plan is bound (the copies are idempotent), the fastest kept (`tuned`)
     chain_mode = "auto"
+    # what "auto" times: (chain mode, whether runs of loop_min_bytes and more go one copy_ each
+    # or into the _foreach_copy_ lists with the small ones: one launch instead of hundreds for a
+    # round of many dense tensors)
+    WAYS = {"index_select": ("index_select", True), "foreach": ("foreach", True),
+            "index_select+foreach_big": ("index_select", False), "row_copy": ("row_copy", True),
+            "row_copy+foreach_big": ("row_copy", False)}
 
     def _chains(self) -> tuple[list[tuple[list[list], int]], list[list]]:
         """([(runs of one strided chain, source stride in bytes)], the other runs)."""
@@ -116,10 +132,14 @@ class CopyPlan:
         chains, rest = self._chains() if self.strided else ([], self.runs)
         mode = self.chain_mode
         on_cuda = bool(self.runs) and self.runs[0][2].is_cuda
-        if mode == "auto" and not (chains and on_cuda):
+        if mode == "auto" and not on_cuda:
             mode = "index_select"
         if mode == "auto":
-            ways = {m: self._bound_as(m, chains, rest, sources) for m in ("index_select", "foreach")}
+            runs_here = {"index_select": True, "foreach": bool(chains),
+                         "row_copy": bool(chains) and row_copy.available(self.runs[0][2])}
+            ways = {name: self._bound_as(m, chains, rest, sources, loop) for name, (m, loop) in self.WAYS.items()
+                    if runs_here[m]}
+            ways = {name: b for name, b in ways.items() if b is not None}
             self.tuned = {m: self._time(b) for m, b in ways.items()}
             self.tuned["chosen"] = min(ways, key=self.tuned.get)
             bound = ways[self.tuned["chosen"]]
@@ -129,26 +149,42 @@ class CopyPlan:
         self._graph = None
         return bound
 
-    def _bound_as(self, mode: str, chains, rest, sources) -> tuple:
-        """(strided chains, big runs, foreach destinations, foreach sources) for one chain mode."""
+    def _bound_as(self, mode: str, chains, rest, sources, loop_big: bool = True) -> tuple | None:
+        """(strided chains, big runs, foreach destinations, foreach sources) for one chain mode;
+        loop_big False: no big runs (all in the foreach lists), None when there were none to move."""
         strided = []
+        copier = _COPIERS.get(mode)
         for chain, stride in chains:
-            v = self._strided_views(chain, stride, sources) if mode == "index_select" else None
+            v = self._strided_views(chain, stride, sources) if copier is not None else None
             if v is None:
                 rest = rest + chain
             else:
-                strided.append(v)
+                strided.append((*v, copier))
         big, dsts, srcs = [], [], []
         chained = {id(r) for c, _ in chains for r in c} if mode == "foreach" else set()
+        any_big = False
         for r in rest:
             k, off, dst, start, n, dt, _ = r
             src, d = sources[k][off: off + n * dt.itemsize].view(dt), dst[start: start + n]
             if n * dt.itemsize >= self.loop_min_bytes and id(r) not in chained:
-                big.append((d, src))
-            else:
-                dsts.append(d)
-                srcs.append(src)
+                any_big = True
+                if loop_big:
+                    big.append((d, src))
+                    continue
+            dsts.append(d)
+            srcs.append(src)
+        if not loop_big and not any_big:
+            return None  # the same copies as the looped way
         return strided, big, dsts, srcs
+
+    def shape(self) -> dict:
+        """What the bound plan launches: merged runs, bytes, strided chains, runs copied one by
+        one, runs in the multi-tensor lists (for logs)."""
+        out = {"runs": len(self.runs), "bytes": sum(r[4] * r[5].itemsize for r in self.runs)}
+        if self._bound is not None:
+            strided, big, dsts, _ = self._bound[1]
+            out.update(chains=len(strided), looped=len(big), foreach=len(dsts))
+        return out
 
     def _time(self, bound: tuple, reps: int = 2) -> float:
         """Milliseconds of the fastest of `reps` full copies through `bound` (CUDA)."""
@@ -164,8 +200,8 @@ class CopyPlan:
 
     @staticmethod
     def _launch(strided, big, dsts, srcs) -> None:
-        for d2, s2, rows in strided:
-            torch.index_select(s2, 0, rows, out=d2)
+        for d2, s2, rows, copier in strided:
+            copier(d2, s2, rows)
         for d, src in big:
             d.copy_(src)
         if dsts:

@@ -29,6 +29,7 @@ engine stays paused) and raises, so vLLM keeps the previous weight version.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,7 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
         self._learn: dict | None = None  # while a reload sync runs: name -> (dtype, shape), checksums
         self._copy_events: list = []  # (start, end) CUDA events of this update's direct copies
         self.last_copy_ms: list[float] = []  # their GPU times, per round, of the last committed update
+        self.last_fresh_ms: float | None = None  # host time of the landing-map check of the last direct update
         self._told: set[int] = set()  # copy plans whose timed choice of chain copies was logged
 
     def init_transfer_engine(self, init_info: SkyrlBucketInitInfo) -> None:
@@ -157,9 +159,11 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        t = time.perf_counter()
         self._direct = (self.mode == "ipc" and self.receive == "auto" and self._map is not None
                         and self._map.fresh(self.model))
         if self._direct:
+            self.last_fresh_ms = (time.perf_counter() - t) * 1e3
             return
         self._map, self._direct_plans = None, {}
         self._learn = {"specs": {}, "sums": {}} if self._may_learn() else None
@@ -301,8 +305,9 @@ class SkyrlBucketWeightTransferEngine(WeightTransferEngine[SkyrlBucketInitInfo, 
             self._copy_events.append(ev)
             if plan.tuned is not None and id(plan) not in self._told:
                 self._told.add(id(plan))
-                logger.info("skyrl_bucket: copy chains of round %s by %s (one full copy: %s ms)", info.round,
-                            plan.tuned["chosen"], {m: round(v, 3) for m, v in plan.tuned.items() if m != "chosen"})
+                logger.info("skyrl_bucket: copies of round %s by %s (one full copy: %s ms; %s)", info.round,
+                            plan.tuned["chosen"], {m: round(v, 3) for m, v in plan.tuned.items() if m != "chosen"},
+                            plan.shape())
         else:
             plan.execute(dict(enumerate(sources)))
         if info.verify and rows:

@@ -3,8 +3,8 @@
 Run: torchrun --nproc-per-node N tests/workers/fast_spec_worker.py OUT_DIR model.path=... [overrides]
 Builds the policy twice from the HF checkpoint (model.spec=local, then model.spec=fast), replays
 the same random valid routes in both, and writes OUT_DIR/fast_spec.json (rank 0): the module
-classes each build has in its experts / core-attention slots, how many grouped GEMMs and varlen
-flash-attention calls each build ran, and the max |fast - local| of the logprobs, of the summed RL-loss gradients and of the
+classes each build has in its experts / core-attention / self-attention / MoE / dispatcher slots,
+how many grouped GEMMs, varlen flash-attention calls, sync-free RoPE and dispatch calls each build ran, and the max |fast - local| of the logprobs, of the summed RL-loss gradients and of the
 weights after one RL update (each also relative to the local value's max).
 """
 
@@ -17,8 +17,11 @@ import torch.distributed as dist
 
 from skyrl_mega.config import load_config
 from skyrl_mega.megatron import attention as attention_module
+from skyrl_mega.megatron import dispatch as dispatch_module
 from skyrl_mega.megatron import experts as experts_module
 from skyrl_mega.megatron import parallel
+from skyrl_mega.megatron import rope as rope_module
+from skyrl_mega.megatron.kernels import fused
 from skyrl_mega.megatron import train_step as ts
 from skyrl_mega.megatron.packing import shard_for_dp
 from skyrl_mega.megatron.policy import build_policy
@@ -42,12 +45,14 @@ def random_batch(vocab: int, num_moe_layers: int, topk: int, num_experts: int) -
 
 
 def slot_classes(models) -> dict:
-    out = {"experts": set(), "core_attention": set()}
+    out = {"experts": set(), "core_attention": set(), "self_attention": set(), "mlp": set(), "token_dispatcher": set()}
     for m in models:
         for name, mod in m.named_modules():
             for slot in out:
                 if name.endswith("." + slot):
                     out[slot].add(type(mod).__name__)
+            if hasattr(mod, "token_dispatcher"):  # not a module: megatron keeps it as an attribute
+                out["token_dispatcher"].add(type(mod.token_dispatcher).__name__)
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -73,9 +78,11 @@ def main():
     parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
     from megatron.core import parallel_state as mpu
 
-    calls, varlen_calls = [0], [0]
+    calls, varlen_calls, rope_calls, sorts = [0], [0], [0], [0]
     experts_module.expert_linear = counting(experts_module.expert_linear, calls)
     attention_module.varlen_causal_attention = counting(attention_module.varlen_causal_attention, varlen_calls)
+    rope_module.apply_rope = counting(rope_module.apply_rope, rope_calls)
+    dispatch_module.sorted_by_expert = counting(dispatch_module.sorted_by_expert, sorts)
 
     results, report = {}, {}
     for spec in ("local", "fast"):
@@ -88,7 +95,7 @@ def main():
                                          mpu.get_data_parallel_rank()))
         par = ts._Par.current(bridge.config)
         plan = ts.plan_step(batch, cfg, bridge, par, need_routes=True)
-        before, before_varlen = calls[0], varlen_calls[0]
+        before, before_varlen, before_rope, before_sorts = calls[0], varlen_calls[0], rope_calls[0], sorts[0]
         lps = ts.compute_logprobs(policy, batch, cfg, plan, replay=True)
         lp = torch.cat(lps) if lps is not None else torch.zeros(1)
         batch.old_logprobs = [x.detach() for x in lps] if lps is not None else [torch.zeros(n) for n in batch.lengths]
@@ -100,6 +107,8 @@ def main():
         results[spec] = (lp, grads, weights)
         report[spec] = {"slots": slot_classes(policy.models), "grouped_gemms": calls[0] - before,
                         "varlen_attention_calls": varlen_calls[0] - before_varlen,
+                        "packed_rope_calls": rope_calls[0] - before_rope, "device_sorts": sorts[0] - before_sorts,
+                        "compiled_chains": fused._compiled.cache_info().currsize,
                         "r3_coverage": metrics["r3/coverage"], "grad_norm": metrics["grad_norm"]}
         del policy
     for i, name in enumerate(("logprobs", "grads", "weights_after_update")):

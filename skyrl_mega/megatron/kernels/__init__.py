@@ -27,5 +27,7 @@ of where it runs (the callers keep the local math elsewhere):
   grouped_mm.py        grouped GEMM for the MoE experts (torch grouped_mm / _grouped_mm)
   varlen_attention.py  causal varlen flash attention over a packed row (torch.nn.attention.varlen;
                        CUDA, fp16 / bf16; its signature differences across torch releases)
+  fused.py             RMSNorm, SwiGLU x routing prob and RoPE as one torch.compile kernel each
+                       (on CUDA by default; the eager formula elsewhere)
 Tested in tests/test_fast_spec.py (CPU) and tests/test_fast_spec_gpu.py (CUDA).
 """

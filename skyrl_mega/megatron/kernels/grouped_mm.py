@@ -31,6 +31,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .fused import add_flipped_
+
 _OP = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -68,7 +70,10 @@ def _add_into_main_grads(weights, dw: torch.Tensor) -> bool:
     view = _one_view(grads)
     if view is not None:  # add_ widens bf16 to the buffer's fp32 in its kernel: no extra copy
         stacked, descending = view
-        stacked.add_(dw.flip(0) if descending else dw)
+        if descending:
+            add_flipped_(stacked, dw)
+        else:
+            stacked.add_(dw)
     else:
         torch._foreach_add_(grads, list(dw.to(grads[0].dtype).unbind(0)))
     for p in weights:

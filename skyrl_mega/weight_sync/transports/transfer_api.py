@@ -63,6 +63,12 @@ def engine_copy_ms(reply) -> float | None:
     return max(per) if per else None
 
 
+def engine_map_check_ms(reply) -> float | None:
+    """The slowest worker's host time checking its landing map before the update's first copy."""
+    per = [w["map_check_ms"] for w in _worker_replies(reply) if w.get("map_check_ms") is not None]
+    return max(per) if per else None
+
+
 class WeightTransferTransport(WeightTransport):
     def __init__(self, control: EngineControl | None = None, receivers: tuple[EngineClient, ...] | list = (), *,
                  pause_mode: str = "keep", kv_after_update: str = "recompute", verify: bool = False,
@@ -158,6 +164,9 @@ class WeightTransferTransport(WeightTransport):
         copy_ms = engine_copy_ms(reports)
         if copy_ms is not None:
             self.timings["engine_copy_s"] = copy_ms / 1e3
+        check_ms = engine_map_check_ms(reports)
+        if check_ms is not None:
+            self.timings["engine_map_check_s"] = check_ms / 1e3
         versions = {}
         for c, rep in zip(self.clients, reports):
             versions.update(c.versions(rep))
