@@ -40,6 +40,7 @@ depends on the built model. Virtual pipeline stages are not supported.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -164,6 +165,28 @@ def _model_inputs(layout: MicroBatchLayout, batch: RLBatch, plan: StepPlan, par:
     return mb
 
 
+class _Inputs(Sequence):
+    """The micro-batches' input dicts, each built when megatron's schedule first asks for it and
+    kept: the host builds micro-batch i+1 while the GPU still runs the kernels queued for i (the
+    layers read nothing back to the host), instead of all of them before the first forward."""
+
+    def __init__(self, layouts: list, build):
+        self._layouts, self._build, self._made = layouts, build, {}
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i not in self._made:
+            self._made[i] = self._build(self._layouts[i])
+        return self._made[i]
+
+
 def _kwargs_fn(replay_handle: Optional[R3Replay]):
     # mb's tensors are on the device here: whatever the host needs from them was read before
     def fn(mb):
@@ -215,7 +238,7 @@ def compute_logprobs(model, batch: RLBatch, cfg, plan: Optional[StepPlan] = None
     plan = plan or plan_step(batch, cfg, bridge, par, need_routes=handle is not None)
     if handle is not None and plan.routes is None:
         plan = replace(plan, routes=plan_step(batch, cfg, bridge, par, need_routes=True).routes)
-    mbs = [_model_inputs(lay, batch, plan, par, bridge, handle is not None) for lay in plan.layouts]
+    mbs = _Inputs(plan.layouts, lambda lay: _model_inputs(lay, batch, plan, par, bridge, handle is not None))
     temperature = float(cfg.algorithm.temperature)
     vocab = getattr(bridge.hf_config, "vocab_size", None)
 
@@ -316,11 +339,12 @@ def forward_backward(policy: PolicyModel, batch: RLBatch, cfg, plan: StepPlan,
     handle = policy.replay if cfg.algorithm.routing_replay else None
     if handle is not None and plan.routes is None:
         raise ValueError("R3 is on but the plan has no routes (plan_step(..., need_routes=True))")
-    mbs = []
-    for lay in plan.layouts:
+    def inputs(lay):
         mb = _model_inputs(lay, batch, plan, par, bridge, handle is not None)
         mb.update(_loss_inputs(lay, batch, batch.old_logprobs, ref_logprobs, counts))
-        mbs.append(mb)
+        return mb
+
+    mbs = _Inputs(plan.layouts, inputs)
     for m in policy.models:
         m.zero_grad_buffer()
     policy.optimizer.zero_grad()
