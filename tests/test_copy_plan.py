@@ -91,6 +91,9 @@ def test_every_timed_way_lands_the_same_bytes():
             assert torch.equal(gate_up[e].view(torch.uint8), src[o1: o1 + n1 * 2]), (name, e)
             assert torch.equal(down[e].view(torch.uint8), src[o2: o2 + n2 * 2]), (name, e)
         assert torch.equal(lone.view(torch.uint8), src_big), name
+        assert cp._landed(sources), name  # the check "auto" runs after timing each way on CUDA
+        down[2, 5] += 1  # one wrong element: the check sees it
+        assert not cp._landed(sources), name
         assert len(bound[1]) == (1 if loop_big else 0), name  # the big run: looped, or in the foreach lists
         assert len(bound[0]) == (0 if mode == "foreach" else 2), name  # gate_up's and down's chains
     cp = CopyPlan()  # no big run: the big-runs-in-foreach way would copy the same way, so it is not timed

@@ -64,7 +64,11 @@ def test_fast_spec_equals_local_spec_bf16(family, request, tmp_path):
     # no host syncs in the layers: the local-experts dispatch, RoPE from device positions (Qwen3's)
     assert r["fast"]["slots"]["token_dispatcher"] == ["LocalExpertsDispatcher"] and r["fast"]["device_sorts"] > 0
     assert (r["fast"]["packed_rope_calls"] > 0) == (family == "qwen3_moe")
-    # the fused chains were compiled (norm; SwiGLU and RoPE where the family has them)
-    assert r["local"]["compiled_chains"] == 0 and r["fast"]["compiled_chains"] == (3 if family == "qwen3_moe" else 1)
+    # the fused chains were compiled (norm; SwiGLU and RoPE where the family has them; the
+    # local spec, built first, compiles none)
+    assert r["local"]["compiled_chains"] == []
+    want = {"_rms_norm", "_swiglu_probs", "_rope"} if family == "qwen3_moe" else {"_rms_norm"}
+    assert want <= set(r["fast"]["compiled_chains"]), r["fast"]["compiled_chains"]
+    assert family == "qwen3_moe" or "_swiglu_probs" not in r["fast"]["compiled_chains"]  # relu2 experts
     assert r["logprobs_max_diff"] < 0.1
     assert r["grads_rel_diff"] < 5e-2 and r["weights_after_update_rel_diff"] < 1e-2

@@ -70,8 +70,9 @@ class CopyPlan:
     min_chain = 4
     # how a chain is copied on CUDA: "index_select" (one gather kernel per chain), "row_copy" (one
     # Triton copy kernel per chain, row_copy.py), "foreach" (its runs in the _foreach_copy_ lists:
-    # vectorised multi-tensor copies) or "auto": the ways in
-    # WAYS timed once when the plan is bound (the copies are idempotent), the fastest kept (`tuned`)
+    # vectorised multi-tensor copies) or "auto": the ways in WAYS timed once when the plan is
+    # bound (the copies are idempotent), each then checked byte for byte against its sources, and
+    # the fastest that landed the right bytes kept (`tuned`; a wrong one is logged and left out)
     chain_mode = "auto"
     # what "auto" times: (chain mode, whether runs of loop_min_bytes and more go one copy_ each
     # or into the _foreach_copy_ lists with the small ones: one launch instead of hundreds for a
@@ -140,8 +141,17 @@ class CopyPlan:
             ways = {name: self._bound_as(m, chains, rest, sources, loop) for name, (m, loop) in self.WAYS.items()
                     if runs_here[m]}
             ways = {name: b for name, b in ways.items() if b is not None}
-            self.tuned = {m: self._time(b) for m, b in ways.items()}
+            self.tuned, wrong = {}, []
+            for name, b in ways.items():
+                self.tuned[name] = self._time(b)
+                if not self._landed(sources):  # a way that lands other bytes is never chosen
+                    wrong.append(name)
+                    self.tuned[name] = float("inf")
+            if wrong:
+                logger.warning("copy plan: %s landed other bytes than the sources on this device; not used", wrong)
             self.tuned["chosen"] = min(ways, key=self.tuned.get)
+            if self.tuned["chosen"] in wrong:
+                raise WeightSyncError(f"no way of copying landed the right bytes here ({wrong})")
             bound = ways[self.tuned["chosen"]]
         else:
             bound = self._bound_as(mode, chains, rest, sources)
@@ -176,6 +186,15 @@ class CopyPlan:
         if not loop_big and not any_big:
             return None  # the same copies as the looped way
         return strided, big, dsts, srcs
+
+    def _landed(self, sources) -> bool:
+        """Every run's destination holds its source's bytes (after a timed copy; one sync)."""
+        bad = None
+        for k, off, dst, start, n, dt, _ in self.runs:
+            nbytes = n * dt.itemsize
+            diff = (dst[start: start + n].view(torch.uint8) != sources[k][off: off + nbytes].view(torch.uint8)).any()
+            bad = diff if bad is None else bad | diff
+        return bad is None or not bool(bad)
 
     def shape(self) -> dict:
         """What the bound plan launches: merged runs, bytes, strided chains, runs copied one by

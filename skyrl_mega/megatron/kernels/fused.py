@@ -43,8 +43,12 @@ def _fusing(x: torch.Tensor) -> bool:
     return _mode == "on" or (_mode == "auto" and x.is_cuda)
 
 
+COMPILED: set[str] = set()  # the chains compiled in this process (their eager functions' names)
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(fn):
+    COMPILED.add(fn.__name__)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
