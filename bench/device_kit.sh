@@ -60,13 +60,17 @@ device() {
 whl() { [ -f .whl/p05/part.05 ] || bash ../shared/gpu-vllm/make_parts.sh .whl; cp ../shared/gpu-vllm/install_parts.sh .whl/; }
 
 te() {
-  [ -f .te/p04/part.04 ] && [ -d .te/small ] && return 0
-  local t; t=$(mktemp -d); mkdir -p .te/small
-  $PY -m pip download -q --no-deps $P312 -d "$t" transformer-engine-cu13==2.20.2
-  # transformer-engine (the 1 MB meta package): TE's import asserts its distribution is installed
+  [ -f .te/p04/part.04 ] && ls .te/small/pydantic-*.whl >/dev/null 2>&1 && return 0
+  mkdir -p .te/small
+  # transformer-engine (the 1 MB meta package): TE's import asserts its distribution is installed;
+  # pydantic and its deps: TE's common.recipe imports it
   $PY -m pip download -q --no-deps $P312 -d .te/small transformer-engine==2.20.2 einops==0.8.2 onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 \
-    ml-dtypes==0.7.0 protobuf==7.36.2 pybind11==3.1.0 ninja==1.13.2 nvdlfw-inspect==0.2.2 nvidia-cudnn-frontend==1.32.0 pyyaml==6.0.4
-  sdist transformer-engine-torch 2.20.2 .te/small
+    ml-dtypes==0.7.0 protobuf==7.36.2 pybind11==3.1.0 ninja==1.13.2 nvdlfw-inspect==0.2.2 nvidia-cudnn-frontend==1.32.0 pyyaml==6.0.4 \
+    pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2
+  ls .te/small/transformer_engine_torch-*.tar.gz >/dev/null 2>&1 || sdist transformer-engine-torch 2.20.2 .te/small
+  [ -f .te/p04/part.04 ] && { du -sh .te/*; return 0; }  # the core wheel's parts are there already
+  local t; t=$(mktemp -d)
+  $PY -m pip download -q --no-deps $P312 -d "$t" transformer-engine-cu13==2.20.2
   ( cd .te && cat "$t"/transformer_engine_cu13-*.whl | split -b 62914560 -d -a 2 - part. \
     && sha256sum "$t"/transformer_engine_cu13-*.whl | cut -c1-64 > SUM \
     && for f in part.*; do mkdir -p "p${f#part.}" && mv "$f" "p${f#part.}/"; done && mv SUM p00/ )
