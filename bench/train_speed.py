@@ -8,7 +8,9 @@ of the PPO loss, distributed optimizer step), the policy freed before the next s
 specs it measures the ceiling: the median of bf16 [8192 x 8192] @ [8192 x 8192] matmuls.
 
 Per spec it prints and writes (--out, JSON): median step time, tokens/s, model TFLOP/s and its
-fraction of the measured ceiling, peak memory. Model FLOPs per step: 6 x the matmul parameters
+fraction of the measured ceiling, peak memory, and the step's phases (plan: host work before
+the first forward; forward+backward; optimizer). `--specs` also takes `fast-unfused` (the fast
+spec with model.fused_kernels=off); `--profile` adds the host-device sync counts of one step. Model FLOPs per step: 6 x the matmul parameters
 each token uses (attention projections, the top-k experts' and the dense layers' MLPs, the router
 and the LM head: fwd 2 + bwd 4 FLOPs per parameter) x tokens, plus causal attention
 6 x L^2 x heads x head_dim per layer for every sequence of length L. Ratios between specs come
