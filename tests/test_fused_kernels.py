@@ -74,3 +74,9 @@ def test_add_flipped_compiled_equals_eager(fusion_on):
     want = dst + src.flip(0).float()
     fused.add_flipped_(dst, src)
     assert torch.equal(dst, want)  # one exact widening and one fp32 add per element, fused or not
+
+
+def test_the_config_validator_offers_the_same_fusion_modes():
+    from skyrl_mega.config.validate import FUSION_MODES
+
+    assert FUSION_MODES == fused.MODES  # validate.py keeps its own copy: it imports no torch modules

@@ -205,7 +205,7 @@ def test_train_step_packing_gives_megatron_0_19_mamba_layers_their_sequence_star
 
     import megatron.core.packed_seq_params as psp
 
-    from skyrl_mega.megatron.train_step import _kwargs_fn
+    from skyrl_mega.megatron.step_inputs import _kwargs_fn
 
     @dataclasses.dataclass
     class PackedSeqParams019(psp.PackedSeqParams):

@@ -58,9 +58,14 @@ def summed_by_token(rows_out: torch.Tensor, source: torch.Tensor, rows: torch.Te
     return _SumRows.apply(rows_out, source, rows)
 
 
+def _rows_summed(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[T, hidden]: row t = the sum of y[rows[t]] (rows [T, topk]); a gather, no atomics."""
+    n, k = rows.shape
+    return y.index_select(0, rows.reshape(-1)).view(n, k, -1).sum(1)
+
+
 class _Gather(torch.autograd.Function):
-    """x[index]; the gradient of x is, for each row r of x, the sum of the output rows in
-    rows[r] (each x row is taken rows.shape[1] times)."""
+    """x[index]; x's gradient: for each row r of x, the sum of the output rows rows[r]."""
 
     @staticmethod
     def forward(ctx, x, index, rows):
@@ -69,24 +74,20 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        n, k = rows.shape
-        return grad.index_select(0, rows.reshape(-1)).view(n, k, -1).sum(1), None, None
+        return _rows_summed(grad, ctx.saved_tensors[0]), None, None
 
 
 class _SumRows(torch.autograd.Function):
-    """out[t] = sum of y[rows[t]]; the gradient of row r of y is out's gradient at source[r]."""
+    """_Gather's adjoint: out[t] = sum of y[rows[t]]; y's gradient at row r is out's at source[r]."""
 
     @staticmethod
     def forward(ctx, y, source, rows):
         ctx.save_for_backward(source)
-        n, k = rows.shape
-        return y.index_select(0, rows.reshape(-1)).view(n, k, -1).sum(1)
+        return _rows_summed(y, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        (source,) = ctx.saved_tensors
-        return grad.index_select(0, source), None, None
+        return grad.index_select(0, ctx.saved_tensors[0]), None, None
 
 
 class LocalExpertsDispatcher(MoETokenDispatcher):
