@@ -88,11 +88,10 @@ class PackedRopeSelfAttention(SelfAttention):
 
         return _yarn_get_concentration_factor_from_config(self.config)
 
-    def _takes_rope(self, rotary_pos_emb, packed_seq_params, kwargs) -> bool:
+    def _takes_rope(self, q_emb, k_emb, packed_seq_params, kwargs) -> bool:
         cfg = self.config
-        if rotary_pos_emb is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return False
-        q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
         return (
             _freqs_ok(q_emb) and _freqs_ok(k_emb) and q_emb.shape[-1] % 2 == 0
             and kwargs.get("inference_context") is None and kwargs.get("inference_params") is None
@@ -104,9 +103,10 @@ class PackedRopeSelfAttention(SelfAttention):
 
     def forward(self, *args, **kwargs):
         rope, psp = kwargs.get("rotary_pos_emb"), kwargs.get("packed_seq_params")
-        if not self._takes_rope(rope, psp, kwargs):
+        pair = rope if isinstance(rope, tuple) else (rope, rope)
+        if rope is None or not self._takes_rope(*pair, psp, kwargs):
             return super().forward(*args, **kwargs)
-        self._pending = (rope if isinstance(rope, tuple) else (rope, rope), psp)
+        self._pending = (pair, psp)
         kwargs["rotary_pos_emb"] = None
         try:
             return super().forward(*args, **kwargs)
