@@ -11,7 +11,8 @@ One process: a world-size-1 Megatron trainer (bf16, local spec, distributed-opti
 its parameters sit in one contiguous buffer) and one vLLM server started with the project's
 `skyrl_bucket` weight-transfer backend. The trainer's weights are the checkpoint's plus noise,
 so the engine differs from the trainer until a sync lands. Measured in this one run:
-- a plain device-to-device copy of the model's byte count (torch copy_, the ceiling), GB/s;
+- a plain device-to-device copy of the model's byte count (torch copy_, the ceiling; in pieces of
+  at most 40% of the free memory for the largest shapes), GB/s;
 - the first sync (verified; vLLM's layer-wise reload, after which the engine learns where each
   tensor lands: vllm_engine.py), then, with new trainer weights, the end-to-end sync (pause,
   plan check, export, CUDA IPC rounds copied straight into vLLM's parameters, finish, resume),
@@ -102,6 +103,7 @@ def main() -> int:
             use_distributed_optimizer=True, grad_reduce_in_fp32=False, overlap_grad_reduce=False,
             overlap_param_gather=False, average_in_collective=False))
         res["trainer_build_s"] = time.perf_counter() - t
+        torch.cuda.empty_cache()  # the params megatron copied into its DDP buffer: memory for the engine
         g = torch.Generator(device="cuda").manual_seed(1)
 
         def perturb():  # new trainer weights: the engine differs until a sync lands
@@ -110,6 +112,7 @@ def main() -> int:
                     p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype)
                            * a.noise)
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
         if not a.random:
             perturb()
@@ -192,19 +195,26 @@ def main() -> int:
         res["verified_direct_sync"] = {"seconds": dt, "versions": ctl.weight_versions()}
         res["engine_receive"] = engine_notes(os.path.join(a.out, "engine_logs"))
 
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        # the copy ceiling: nbytes copied device to device, in pieces as large as free memory allows
+        piece = min(nbytes, int(torch.cuda.mem_get_info()[0] * 0.4))
+        src = torch.empty(piece, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         dst.copy_(src)
         ts = []
         for _ in range(5):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            dst.copy_(src)
+            left = nbytes
+            while left > 0:
+                n = min(left, piece)
+                dst[:n].copy_(src[:n])
+                left -= n
             torch.cuda.synchronize()
             ts.append(time.perf_counter() - t0)
         del src, dst
         torch.cuda.empty_cache()
-        res["d2d"] = {"median_s": statistics.median(ts), "GBps": nbytes / statistics.median(ts) / 1e9}
+        res["d2d"] = {"median_s": statistics.median(ts), "GBps": nbytes / statistics.median(ts) / 1e9,
+                      "piece_bytes": piece}
         res["sync_vs_d2d"] = res["d2d"]["median_s"] / res["sync"]["median_s"]
         res["held_sync_vs_d2d"] = res["d2d"]["median_s"] / res["held_sync"]["median_s"]
         print(f"[bench] sync {res['sync']['GBps']:.1f} GB/s, d2d {res['d2d']['GBps']:.1f} GB/s: "

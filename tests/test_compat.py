@@ -170,3 +170,109 @@ def test_foreach_grad_norm_equals_megatron_local_norm():
     assert clip_grads.l2_norm_impl is foreach_l2_norm and clip_grads.multi_tensor_scale_impl is foreach_scale
     assert "megatron_core.foreach_grad_norm" in applied()
     assert apply_optimizer_shims() == ["foreach_grad_norm"]  # idempotent
+
+
+def _adamw_float64(p0, grads, lr, betas, eps, wd):
+    """AdamW (decoupled weight decay) by its formula in float64: the reference for the shim."""
+    p, m, v = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64), torch.zeros_like(p0, dtype=torch.float64)
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        p *= 1 - lr * wd
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        p -= lr * (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps)
+    return p
+
+
+def test_fused_torch_adam_equals_float64_adam():
+    """The fused-Adam shim: the groups megatron's torch AdamW gets are switched to the fused
+    kernel before the first step (not after: the state is made then), the update equals AdamW's
+    float64 formula over several steps, and a dist-ckpt step restore puts the step where the
+    fused kernel wants it."""
+    from skyrl_mega.compat.megatron_core import restore_adam_steps, use_fused_torch_adam
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in [(33, 7), (5,)]]
+    start = [p.detach().clone() for p in params]
+    grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(4)]
+    adam = torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    assert not adam.param_groups[0].get("fused")
+    assert use_fused_torch_adam(_wrapped(adam)) is True
+    assert adam.param_groups[0]["fused"] is True and adam.param_groups[0]["foreach"] is False
+    for step in grads:
+        for p, x in zip(params, step):
+            p.grad = x.clone()
+        adam.step()
+    for i, p in enumerate(params):
+        ref = _adamw_float64(start[i], [s[i] for s in grads], 0.01, (0.9, 0.95), 1e-8, 0.1)
+        assert (p.detach().double() - ref).abs().max() < 1e-6
+    assert "megatron_core.fused_torch_adam" in compat.applied()
+    assert use_fused_torch_adam(_wrapped(adam)) is False  # it has state now: left as it is
+    adam.param_groups[0]["step"] = 9
+    restore_adam_steps(_wrapped(adam))
+    step = adam.state[params[0]]["step"]
+    assert float(step) == 9.0 and step.dtype == torch.float32 and step.device == params[0].device
+
+
+def test_megatron_optimizer_uses_fused_torch_adam(tiny_qwen3_moe):
+    """build_optimizer on a real megatron model (a fresh process): megatron's torch AdamW runs
+    the fused kernel."""
+    code = f"""
+from skyrl_mega.config import load_config
+from skyrl_mega.megatron import parallel
+from skyrl_mega.megatron.policy import build_policy
+cfg = load_config(None, ["model.path={tiny_qwen3_moe}", "algorithm.use_reference=false"])
+parallel.init_layout()
+policy = build_policy(cfg, total_steps=1)
+from skyrl_mega.compat.megatron_core import _inner_optimizers
+groups = [g for o in _inner_optimizers(policy.optimizer) for g in o.param_groups]
+print("FUSED", len(groups), all(g["fused"] and not g["foreach"] for g in groups))
+parallel.destroy()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("FUSED")][-1].split()
+    assert int(line[1]) > 0 and line[2] == "True", line
+
+
+_GLOO_GRAD_SYNC = """
+import os, sys, torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def rank(r, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=r, world_size=2)
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from skyrl_mega.compat.megatron_core import apply_gloo_cuda_shims, one_op_at_a_time
+    assert apply_gloo_cuda_shims() == ["gloo_cuda_grad_sync"] and pgb._coalescing_manager is one_op_at_a_time
+    a, b = torch.full((3,), float(r + 1)), torch.full((2,), 10.0 * (r + 1))
+    with pgb._coalescing_manager(dist.group.WORLD, async_ops=False) as cm:
+        dist.all_reduce(a)
+        assert torch.equal(a, torch.full((3,), 3.0))  # issued at the call, not at the exit
+        dist.all_reduce(b)
+    assert cm.wait() and torch.equal(b, torch.full((2,), 30.0))
+    try:
+        with pgb._coalescing_manager(dist.group.WORLD, async_ops=True):
+            pass
+        raise SystemExit("async accepted")
+    except RuntimeError as e:
+        assert "synchronous grad sync" in str(e)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(rank, args=(int(sys.argv[1]),), nprocs=2)
+    print("OK")
+"""
+
+
+def test_gloo_cuda_grad_sync_issues_each_op(tmp_path):
+    """The gloo-on-CUDA shim on two real gloo ranks (a fresh process): megatron's grad buffer's
+    coalescing manager runs each all-reduce as it is called, with the right sums, and refuses
+    the asynchronous grad sync it cannot serve."""
+    from skyrl_mega.ports import free_port
+
+    script = tmp_path / "gloo_grad_sync.py"
+    script.write_text(_GLOO_GRAD_SYNC)
+    out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

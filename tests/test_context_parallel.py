@@ -75,3 +75,17 @@ def test_each_cp_rank_runs_half_of_the_tokens(runs):
     """Model calls at CP=2 see each micro-batch's half (its sequences padded to 2*cp chunks)."""
     cp1, cp2 = runs["cp1"][1]["tokens_seen"], runs["cp2"][1]["tokens_seen"]
     assert max(cp2) < max(cp1) and sum(cp1) <= 2 * sum(cp2) <= 1.5 * sum(cp1), (cp1, cp2)
+
+
+def test_dist_backend_override(monkeypatch):
+    """SKYRL_DIST_BACKEND picks gloo or nccl (CUDA only: without it always gloo); anything else
+    is refused in one line naming the choices."""
+    from skyrl_mega.megatron.parallel import dist_backend
+
+    for value in ("", "gloo", "nccl", "GLOO"):
+        monkeypatch.setenv("SKYRL_DIST_BACKEND", value)
+        want = value.lower() or "nccl" if torch.cuda.is_available() else "gloo"
+        assert dist_backend() == want
+    monkeypatch.setenv("SKYRL_DIST_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="use nccl or gloo"):
+        dist_backend()

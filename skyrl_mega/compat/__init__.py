@@ -33,6 +33,16 @@ megatron's local fallbacks (no apex / TE):
   foreach_grad_norm  the grad norm without one device sync per gradient tensor, and the
                     clip scaling as one multi-tensor op (torch._foreach)     >=0.16.1
   test: tests/test_compat.py::test_foreach_grad_norm_equals_megatron_local_norm
+megatron/optimizer.build_optimizer, after the optimizer is built, where megatron chose torch
+AdamW (no apex / TE):
+  fused_torch_adam  its param groups run torch's fused AdamW kernel (one pass) instead of the
+                    multi-tensor default (several)                           >=0.16.1
+  test: tests/test_compat.py::test_fused_torch_adam_equals_float64_adam
+megatron/parallel.init_distributed, when the ranks talk through gloo on CUDA
+(SKYRL_DIST_BACKEND=gloo: several ranks on one GPU):
+  gloo_cuda_grad_sync  megatron's grad buffer issues its all-reduces one by one (gloo has no
+                    coalesced all-reduce for CUDA tensors)                   >=0.16.1
+  test: tests/test_compat.py::test_gloo_cuda_grad_sync_issues_each_op
 megatron/gated_delta_net.gdn_class(), the spec entry of Qwen3.5's GDN layers:
   packed_gdn        megatron's GatedDeltaNet refuses packed (THD) sequences before 0.18; its
                     subclass PackedGatedDeltaNet takes them (seq_idx conv, cu_seqlens recurrence)

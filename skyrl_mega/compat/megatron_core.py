@@ -66,6 +66,16 @@ SHIMS = (
          "l2_norm_impl / multi_tensor_scale_impl become torch._foreach versions (no sync)",
          _TEST + "test_foreach_grad_norm_equals_megatron_local_norm",
          "clip_grads uses megatron's local fallbacks (no apex / TE)"),
+    Shim("megatron_core", "fused_torch_adam", "megatron-core", ">=0.16.1", _READ,
+         "without apex / TE, get_megatron_optimizer builds torch AdamW with its default multi-tensor "
+         "(foreach) implementation: several passes over parameters, gradients and both moments a "
+         "step; the param groups are switched to torch's fused kernel (one pass, same update)",
+         _TEST + "test_fused_torch_adam_equals_float64_adam", _TORCH_ADAM),
+    Shim("megatron_core", "gloo_cuda_grad_sync", "megatron-core", ">=0.16.1", _READ,
+         "DDP's grad sync issues its all-reduces inside torch's _coalescing_manager, which ends in "
+         "allreduce_coalesced: gloo has none for CUDA tensors; param_and_grad_buffer's manager issues "
+         "each op as it is called instead (synchronous grad sync only)",
+         _TEST + "test_gloo_cuda_grad_sync_issues_each_op", "SKYRL_DIST_BACKEND=gloo with CUDA"),
     Shim("megatron_core", "packed_gdn", "megatron-core", ">=0.16.1,<0.18", "0.16.1, 0.19.2",
          "GatedDeltaNet.forward raises NotImplementedError for packed (THD) sequences before 0.18; "
          "the spec builds megatron/gated_delta_net.PackedGatedDeltaNet, a subclass whose forward "
@@ -360,6 +370,37 @@ def apply_optimizer_shims() -> list[str]:
     return []
 
 
+# --------------------------------------------------------------------------- gloo_cuda_grad_sync
+class _Issued:
+    """The handle megatron keeps from a coalescing manager whose ops already ran."""
+
+    def wait(self):
+        return True
+
+
+@contextlib.contextmanager
+def one_op_at_a_time(group=None, device=None, async_ops=False):
+    """torch.distributed._coalescing_manager's contract for megatron's synchronous grad sync:
+    the collectives called inside run as they are called (not batched at exit)."""
+    if async_ops:
+        raise RuntimeError("SKYRL_DIST_BACKEND=gloo on CUDA takes a synchronous grad sync only "
+                           "(ddp overlap_grad_reduce / overlap_param_gather off), or use nccl")
+    yield _Issued()
+
+
+def apply_gloo_cuda_shims() -> list[str]:
+    """When the ranks talk through gloo on CUDA (parallel.dist_backend): megatron's grad buffer
+    issues its all-reduces one by one. Idempotent; returns the names applied now or before."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    shim = SHIMS_BY_NAME["gloo_cuda_grad_sync"]
+    if not shim.needed_here() or not hasattr(pgb, "_coalescing_manager"):
+        return []
+    pgb._coalescing_manager = one_op_at_a_time
+    mark_applied(shim)
+    return ["gloo_cuda_grad_sync"]
+
+
 # --------------------------------------------------------------------------- optimizer state
 def _torch_adam_in_use() -> bool:
     from megatron.core.optimizer import distrib_optimizer
@@ -393,6 +434,30 @@ def ensure_optimizer_state(optimizer) -> None:
     mark_applied(shim)
 
 
+def use_fused_torch_adam(optimizer) -> bool:
+    """After building the optimizer: torch AdamW's param groups -> its fused kernel where the
+    `fused_torch_adam` guard holds and every parameter is a float tensor on one device type that
+    torch's fused Adam takes. Before the first step only (the state it makes then lives on the
+    parameters' device). True when switched."""
+    shim = SHIMS_BY_NAME["fused_torch_adam"]
+    if not (shim.needed_here() and _torch_adam_in_use()):
+        return False
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    inners = [o for o in _inner_optimizers(optimizer) if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
+    params = [p for o in inners for g in o.param_groups for p in g["params"]]
+    if not inners or any(len(o.state) for o in inners) or not params:
+        return False
+    supported = set(_get_fused_kernels_supported_devices())
+    if any(p.device.type not in supported or not p.is_floating_point() for p in params):
+        return False
+    for o in inners:
+        for group in o.param_groups:
+            group["foreach"], group["fused"] = False, True
+    mark_applied(shim)
+    return True
+
+
 def restore_adam_steps(optimizer) -> None:
     """After a dist-ckpt load: sets torch Adam's per-parameter 'step' from its param group's
     (the checkpoint's), so bias correction after a resume equals the uninterrupted run's.
@@ -406,5 +471,8 @@ def restore_adam_steps(optimizer) -> None:
                 continue
             for p in group["params"]:
                 if p in inner.state and "step" in inner.state[p]:
-                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
+                    # fused / capturable Adam keeps its step as float32 on the parameter's device
+                    on_device = group.get("fused") or group.get("capturable")
+                    inner.state[p]["step"] = (torch.tensor(float(group["step"]), dtype=torch.float32, device=p.device)
+                                              if on_device else torch.tensor(float(group["step"])))
     mark_applied(shim)

@@ -12,7 +12,7 @@ def build_optimizer(models, optim, total_steps: int, dtype: torch.dtype = torch.
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from ..compat.megatron_core import apply_optimizer_shims
+    from ..compat.megatron_core import apply_optimizer_shims, use_fused_torch_adam
 
     apply_optimizer_shims()  # no per-tensor device syncs in the grad norm without apex / TE
     config = OptimizerConfig(
@@ -29,6 +29,7 @@ def build_optimizer(models, optim, total_steps: int, dtype: torch.dtype = torch.
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, models, use_gloo_process_groups=False)
+    use_fused_torch_adam(optimizer)  # torch's one-pass Adam kernel where megatron chose torch AdamW
     decay_steps = max(total_steps, optim.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,

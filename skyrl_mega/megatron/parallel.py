@@ -4,6 +4,10 @@ In: the ParallelConfig and torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR
 Out: torch.distributed initialised (NCCL with CUDA, gloo without), megatron-core's
 TP/PP/CP/EP/ETP groups, and seeded RNG trackers. Without CUDA megatron-core's CPU shims
 (skyrl_mega/compat/megatron_core.py) are applied first.
+
+SKYRL_DIST_BACKEND=gloo with CUDA: the ranks talk through gloo (host copies, slow) and share the
+GPUs round-robin (LOCAL_RANK % GPUs), so a layout of more ranks than GPUs runs on one GPU for
+checking its numerics (NCCL refuses two ranks on one GPU). Not for speed.
 """
 
 from __future__ import annotations
@@ -27,11 +31,24 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = dist_backend()
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count() if backend == "gloo" else local)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    if backend == "gloo" and torch.cuda.is_available():
+        mcore_compat.apply_gloo_cuda_shims()  # gloo has no coalesced all-reduce for CUDA tensors
     return dist.get_rank(), dist.get_world_size()
+
+
+def dist_backend() -> str:
+    """nccl with CUDA, gloo without; SKYRL_DIST_BACKEND (nccl | gloo) overrides it with CUDA."""
+    want = os.environ.get("SKYRL_DIST_BACKEND", "").strip().lower()
+    if want not in ("", "nccl", "gloo"):
+        raise ValueError(f"SKYRL_DIST_BACKEND={want!r}: use nccl or gloo (or leave it unset)")
+    if not torch.cuda.is_available():
+        return "gloo"
+    return want or "nccl"
 
 
 def init_model_parallel(parallel, seed: int = 1234) -> None:

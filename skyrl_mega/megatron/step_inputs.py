@@ -4,7 +4,8 @@ megatron's schedules, and per-sample outputs back.
 In:  an `RLBatch` (this DP rank's samples), the config, the model's bridge (MoE layers, top-k,
      experts) and the parallel layout (`_Par.current`).
 Out: `plan_step` -> `StepPlan` (THD-packed micro-batch layouts from `packing.plan_microbatches`,
-     made once per step, and each sample's R3 routes aligned to its tokens); `_model_inputs`
+     made once per step, and each sample's R3 routes aligned to its tokens when a micro-batch
+     first needs them: `AlignedRoutes`); `_model_inputs`
      -> one micro-batch's input dict (token ids, positions, labels, packed cu_seqlens, routes),
      built lazily through `_Inputs` when megatron's schedule asks for it; `_run` -> what the loss
      function returned per micro-batch (R3 replay session around it); `_per_sample` -> values
@@ -61,17 +62,50 @@ def _all_reduce(t: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
 
 
 # ---------------------------------------------------------------------------- micro-batches
+class AlignedRoutes(Sequence):
+    """Each sample's R3 routes aligned to its tokens (`align_routes`), aligned when a micro-batch
+    first needs them and kept: the host aligns micro-batch i+1's samples while the GPU runs i,
+    not all of them before the first forward. A bad route raises R3Error at that point, before
+    the optimizer step."""
+
+    def __init__(self, raw: list, lengths: list[int], num_moe_layers: int, topk: int, num_experts: int):
+        self._raw, self._lengths, self._shape = raw, lengths, (num_moe_layers, topk, num_experts)
+        self._done: dict[int, Optional[Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __getitem__(self, i: int) -> Optional[Tensor]:
+        if i not in self._done:
+            r = self._raw[i]
+            self._done[i] = None if r is None else align_routes(r, self._lengths[i], *self._shape)
+        return self._done[i]
+
+    def counts(self) -> tuple[int, int]:
+        """(replayed token-layers, token-layers that reach the loss) over every sample: all tokens
+        but the last (its output predicts nothing; the engine never routes it either)."""
+        replayed = total = 0
+        for i, n in enumerate(self._lengths):
+            a = self[i]
+            total += (n - 1) * self._shape[0]
+            replayed += 0 if a is None else int((a[: n - 1] >= 0).all(-1).sum())
+        return replayed, total
+
+
 @dataclass
 class StepPlan:
     """Micro-batch layouts and aligned routes of one batch (reused by every pass of a step)."""
 
     layouts: list[MicroBatchLayout]
-    routes: Optional[list[Optional[Tensor]]] = None  # aligned [L, moe_layers, topk] per sample
-    r3_counts: tuple[int, int] = (0, 0)  # (replayed token-layers, token-layers that reach the loss)
+    routes: Optional[AlignedRoutes] = None  # aligned [L, moe_layers, topk] per sample, made lazily
+
+    @property
+    def r3_counts(self) -> tuple[int, int]:
+        return (0, 0) if self.routes is None else self.routes.counts()
 
 
 def plan_step(batch: RLBatch, cfg, bridge, par: Optional[_Par] = None, need_routes: bool = False) -> StepPlan:
-    """Micro-batch layouts for the batch (+ aligned R3 routes when needed)."""
+    """Micro-batch layouts for the batch (+ its R3 routes, aligned as micro-batches need them)."""
     par = par or _Par.current(bridge.config)
     t = cfg.train
     layouts = plan_microbatches(
@@ -84,17 +118,8 @@ def plan_step(batch: RLBatch, cfg, bridge, par: Optional[_Par] = None, need_rout
         if batch.routed_experts is None:
             raise ValueError("R3 is on (algorithm.routing_replay) but the batch has no routed_experts")
         mc = bridge.config
-        nl, k, e = len(bridge.moe_layers), mc.moe_router_topk, mc.num_moe_experts
-        routes, replayed, total = [], 0, 0
-        for i, r in enumerate(batch.routed_experts):
-            n = batch.lengths[i]
-            a = None if r is None else align_routes(r, n, nl, k, e)
-            routes.append(a)
-            # coverage counts the tokens whose routing reaches the loss: all but the last one
-            # (its output predicts nothing; the engine never routes it either)
-            total += (n - 1) * nl
-            replayed += 0 if a is None else int((a[: n - 1] >= 0).all(-1).sum())
-        plan.routes, plan.r3_counts = routes, (replayed, total)
+        plan.routes = AlignedRoutes(list(batch.routed_experts), batch.lengths, len(bridge.moe_layers),
+                                    mc.moe_router_topk, mc.num_moe_experts)
     return plan
 
 

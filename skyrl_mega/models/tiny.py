@@ -91,6 +91,13 @@ SIZES = {
                               num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
                               head_dim=128, num_experts=64, num_experts_per_tok=8, mlp_only_layers=[],
                               max_position_embeddings=4096, initializer_range=0.02),
+    # Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts of 768, top-8, 32 / 4 heads of 128),
+    # 24 of its 48 layers: ~15.0B parameters, 29.9 GB bf16; the weight-sync run at a size where the
+    # sync's fixed costs weigh less (--config-only, random weights)
+    ("qwen3_moe", "15b"): dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                               num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4,
+                               head_dim=128, num_experts=128, num_experts_per_tok=8, mlp_only_layers=[],
+                               max_position_embeddings=4096, initializer_range=0.02),
     # Nemotron 3 Nano 30B-A3B's shapes (31.6B parameters; --config-only for recipe checks and
     # GPU runs with random weights)
     ("nemotron3", "30b_a3b"): dict(

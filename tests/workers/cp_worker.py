@@ -15,7 +15,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from skyrl_mega.config import load_config, validate_config
+from skyrl_mega.config import load_config
+from skyrl_mega.config.validate import layout_problems, model_problems
 from skyrl_mega.megatron import parallel
 from skyrl_mega.megatron import train_step as ts
 from skyrl_mega.megatron.packing import shard_for_dp
@@ -29,7 +30,10 @@ from tests.workers.train_step_worker import BASE, flat_grads  # noqa: E402
 def main():
     out_dir, overrides = sys.argv[1], sys.argv[2:]
     cfg = load_config(None, BASE + ["algorithm.use_reference=false", "algorithm.kl_coef=0.0"] + overrides)
-    validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    # the trainer's checks only: the GPU run of this worker has no vLLM to check a rollout against
+    problems = model_problems(cfg) + layout_problems(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    if problems:
+        raise SystemExit(f"invalid config: {problems[0]}")
     rank, _ = parallel.init_distributed()
     parallel.init_model_parallel(cfg.parallel, seed=cfg.train.seed)
     policy = build_policy(cfg, total_steps=2)
