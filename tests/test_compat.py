@@ -276,3 +276,47 @@ def test_gloo_cuda_grad_sync_issues_each_op(tmp_path):
     out = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
                          timeout=300, cwd=REPO)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_gloo_cuda_leaf_broadcast_lands_in_the_parameter(monkeypatch):
+    """gloo's CUDA broadcast copies the received values back into the tensor on its worker
+    thread, where grad mode is on (ProcessGroupGloo's AsyncBroadcastCUDAWork::run). Stand-in with
+    that behaviour: the copy into a parameter that requires grad fails unwrapped, and with the
+    shim lands in the parameter, which stays a leaf without grad."""
+    import threading
+
+    import torch.distributed as dist
+
+    from skyrl_mega.compat.torch_distributed import _detached_broadcast, apply_gloo_cuda_broadcast
+
+    received = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+
+    def gloo_like_broadcast(tensor, src=0, group=None, async_op=False):
+        err = []
+
+        def copy_back():  # a new thread: grad mode on, as on gloo's worker thread
+            try:
+                tensor.copy_(received)
+            except RuntimeError as e:
+                err.append(e)
+
+        t = threading.Thread(target=copy_back)
+        t.start()
+        t.join()
+        if err:
+            raise err[0]
+
+    with torch.no_grad():  # the caller's grad mode does not reach the worker thread
+        param = torch.nn.Parameter(torch.zeros(2, 3))
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            gloo_like_broadcast(param)
+        _detached_broadcast(gloo_like_broadcast)(param, src=0)
+    assert torch.equal(param.detach(), received) and param.is_leaf and param.requires_grad and param.grad is None
+
+    monkeypatch.setattr(dist, "broadcast", gloo_like_broadcast)
+    assert apply_gloo_cuda_broadcast() == ["gloo_cuda_leaf_broadcast"]
+    assert apply_gloo_cuda_broadcast() == ["gloo_cuda_leaf_broadcast"] and dist.broadcast.__wrapped__ is gloo_like_broadcast
+    p2 = torch.nn.Parameter(torch.ones(2, 3))
+    dist.broadcast(p2, src=0)
+    assert torch.equal(p2.detach(), received)
+    assert "torch_distributed.gloo_cuda_leaf_broadcast" in compat.applied()

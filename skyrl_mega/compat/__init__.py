@@ -43,6 +43,11 @@ megatron/parallel.init_distributed, when the ranks talk through gloo on CUDA
   gloo_cuda_grad_sync  megatron's grad buffer issues its all-reduces one by one (gloo has no
                     coalesced all-reduce for CUDA tensors)                   >=0.16.1
   test: tests/test_compat.py::test_gloo_cuda_grad_sync_issues_each_op
+torch_distributed.py (torch), same place and mode:
+  gloo_cuda_leaf_broadcast  gloo's CUDA broadcast copies back into the tensor on its worker
+                    thread (grad mode on): a parameter that requires grad (mbridge's export
+                    broadcasts each one) gets a detached view                    >=2.0
+  test: tests/test_compat.py::test_gloo_cuda_leaf_broadcast_lands_in_the_parameter
 megatron/gated_delta_net.gdn_class(), the spec entry of Qwen3.5's GDN layers:
   packed_gdn        megatron's GatedDeltaNet refuses packed (THD) sequences before 0.18; its
                     subclass PackedGatedDeltaNet takes them (seq_idx conv, cu_seqlens recurrence)
@@ -118,7 +123,7 @@ import importlib
 
 from .guard import Shim, applied, installed_version  # noqa: F401
 
-MODULES = ("megatron_core", "mbridge", "transformers", "vllm", "mamba_ssm", "fla")
+MODULES = ("megatron_core", "mbridge", "transformers", "vllm", "mamba_ssm", "fla", "torch_distributed")
 
 
 def all_shims() -> list[Shim]:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat import megatron_core as mcore_compat
+from ..compat import torch_distributed as torch_dist_compat
 from ..ports import free_port
 
 
@@ -38,6 +39,7 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     if backend == "gloo" and torch.cuda.is_available():
         mcore_compat.apply_gloo_cuda_shims()  # gloo has no coalesced all-reduce for CUDA tensors
+        torch_dist_compat.apply_gloo_cuda_broadcast()  # gloo's CUDA broadcast into a leaf parameter
     return dist.get_rank(), dist.get_world_size()
 
 
