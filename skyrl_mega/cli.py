@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("family", help="qwen3_moe | qwen3_5_moe | nemotron3")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--size", default="tiny", help="tiny | 1b | 2b | 8b (qwen3_moe; see models/tiny.py SIZES)")
+    p.add_argument("--size", default="tiny", help="tiny | 1b | 2b | 8b | 15b (qwen3_moe; see models/tiny.py SIZES)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu", help="where to initialise (cuda for the large sizes)")
     p.add_argument("--config-only", action="store_true",

@@ -51,6 +51,7 @@ def test_cli_make_tiny_and_unknown_family(tmp_path):
 
 @pytest.mark.parametrize("family, size, low, high", [
     ("qwen3_moe", "1b", 0.85e9, 1.15e9), ("qwen3_moe", "2b", 2.2e9, 2.7e9), ("qwen3_moe", "8b", 9.5e9, 10.3e9),
+    ("qwen3_moe", "15b", 14.8e9, 15.2e9),  # the 29.9 GB weight-sync run
     ("nemotron3", "30b_a3b", 31.5e9, 31.7e9),  # the nano recipe's arithmetic: 31.6 B
     ("qwen3_5_moe", "35b_a3b", 34.6e9, 34.7e9)])  # the 35b_a3b recipe's: 34.66 B
 def test_large_sizes_have_the_parameter_counts_they_claim(family, size, low, high):
@@ -69,7 +70,7 @@ def test_large_sizes_have_the_parameter_counts_they_claim(family, size, low, hig
 
 
 def test_unknown_size_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no size '7b' for qwen3_moe; sizes: \\['1b', '2b', '8b', 'tiny'\\]"):
+    with pytest.raises(ValueError, match="no size '7b' for qwen3_moe; sizes: \\['1b', '2b', '8b', '15b', 'tiny'\\]"):
         make_tiny("qwen3_moe", str(tmp_path / "x"), size="7b")
 
 

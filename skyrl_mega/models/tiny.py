@@ -159,6 +159,12 @@ FAMILIES = {
 }
 
 
+def _by_count(size: str) -> tuple:
+    """Sizes in parameter order: '1b' < '8b' < '15b' < '30b_a3b' < 'tiny' (named ones last)."""
+    digits = size[: len(size) - len(size.lstrip("0123456789"))]
+    return (0, int(digits), size) if digits else (1, 0, size)
+
+
 def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtype: str = "float32",
               device: str = "cpu", weights: bool = True, multimodal: bool = False, mtp: bool = False,
               **config_overrides) -> str:
@@ -181,7 +187,7 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     if (family, size) not in SIZES and size != "tiny":
         raise ValueError(f"no size {size!r} for {family}; sizes: "
-                         f"{sorted(s for f, s in SIZES if f == family) or ['tiny']}")
+                         f"{sorted((s for f, s in SIZES if f == family), key=_by_count) or ['tiny']}")
     import torch
     from transformers import AutoModelForCausalLM
 
