@@ -8,7 +8,8 @@
   completes with the uninterrupted run's rewards and losses;
 - the same with the bucketed broadcast transport (rollout.weight_transport=nccl, over gloo):
   the restarted server joins a newly formed transfer group;
-- the co-located protocol (rollout.weight_transport=cuda_ipc, over /dev/shm on CPU) gives the
+- the co-located protocol (rollout.weight_transport=cuda_ipc, over /dev/shm on CPU; its rounds
+  through the engine worker's own listener, rollout.worker_channel) gives the
   same run as the shm transport.
 """
 
@@ -261,4 +262,7 @@ def test_cuda_ipc_protocol_on_cpu_matches_the_shm_transport(short, tiny_qwen3_mo
     run_torchrun("skyrl_mega.trainer", 2, _args(tiny_qwen3_moe, out, **{
         "train.steps": 3, "rollout.weight_transport": "cuda_ipc"}), timeout=600, log_file=str(root / "ipc.log"))
     assert "transport=cuda_ipc" in open(root / "ipc.log").read()
-    _assert_same_run(_metrics(out), reference, 3)
+    got = _metrics(out)
+    _assert_same_run(got, reference, 3)
+    # the rounds went to the engine worker's own listener (rollout.worker_channel, on by default)
+    assert all(r.get("weight_sync/via_channel") == 1.0 for r in got), [r.get("weight_sync/via_channel") for r in got]

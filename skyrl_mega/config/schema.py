@@ -119,6 +119,10 @@ class RolloutConfig:
     # (the sync of the initial weights and the last step's) | always; a mismatch fails the sync and the
     # engines keep the old version
     verify_sync: str = "first_last"
+    # cuda_ipc (co-located): each one-worker engine's worker takes the sync's rounds on a listener
+    # of its own (rollout/worker_channel.py, 127.0.0.1) instead of through vLLM's API server and
+    # engine core; false: every round through POST /collective_rpc
+    worker_channel: bool = True
     log_dir: Optional[str] = None  # default: <output_dir>/engine_logs
 
 

@@ -73,7 +73,8 @@ class RolloutEngines:
         if self.cfg.rollout.use_router:
             self.router = RouterProcess(self.servers.urls, log_dir=self.log_dir).start()
         self.control = EngineControl(self.servers.urls, caps=self.servers.caps)
-        self.transport = self.plan.make_transport(self.control)
+        kw = {"channel": self.cfg.rollout.worker_channel} if self.plan.transport == "cuda_ipc" else {}
+        self.transport = self.plan.make_transport(self.control, **kw)
         return self
 
     def stop(self) -> None:

@@ -42,7 +42,8 @@ class PlacementPlan:
     transport: str  # shm | cuda_ipc | nccl
     sleep_level: int | None
 
-    def make_transport(self, control):
+    def make_transport(self, control, **kwargs):
+        """The transport, built with `control` and kwargs it takes (e.g. channel for cuda_ipc)."""
         import importlib
 
         if self.transport not in TRANSPORTS:
@@ -50,7 +51,7 @@ class PlacementPlan:
                 f"weight transport {self.transport!r} (placement={self.placement}, device={self.device}) "
                 f"is not available in this build; available: {sorted(TRANSPORTS)}")
         module, cls = TRANSPORTS[self.transport].split(":")
-        return getattr(importlib.import_module(module), cls)(control)
+        return getattr(importlib.import_module(module), cls)(control, **kwargs)
 
     def server_args(self) -> list[str]:
         """vLLM server flags this transport needs."""

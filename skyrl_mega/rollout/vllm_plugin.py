@@ -22,6 +22,10 @@
                                       update_weights / finish_weight_update, several in ONE
                                       round trip (call = JSON {"start", "update_info",
                                       "finish", "version"}); answers the served version
+       skyrl_open_channel()           the same skyrl_weight_update on a listener of the
+                                      worker's own (rollout/worker_channel.py): a co-located
+                                      trainer posts its rounds there, skipping the API server
+                                      and engine core hops; answers {"url", "rank"}
    reachable over HTTP as POST /collective_rpc {"method": "skyrl_load_weights",
    "kwargs": {"manifest": "<json>"}} (vLLM passes only string args over HTTP).
 
@@ -133,10 +137,27 @@ class SkyrlWorkerExtension:
         self._skyrl_served_version = str(version)
         return {"weight_version": self._skyrl_served_version}
 
+    def skyrl_open_channel(self) -> dict:
+        """Opens (once) this worker's listener for skyrl_weight_update calls (worker_channel.py)."""
+        from .worker_channel import WorkerChannel
+
+        if getattr(self, "_skyrl_channel", None) is None:
+            self._skyrl_channel = WorkerChannel(self.skyrl_weight_update, device=getattr(self, "device", None))
+            logger.info("skyrl worker channel: weight-update rounds also at %s", self._skyrl_channel.url)
+        return {"url": self._skyrl_channel.url, "rank": int(getattr(self, "rank", 0))}
+
     def skyrl_weight_update(self, call: str) -> dict:
         """Steps of one weight update in one round trip, through the worker's own methods (so
         vLLM's checks of a session hold): start if asked, one update_weights round if given,
-        finish if asked (then `version` becomes the served version, where vLLM keeps none)."""
+        finish if asked (then `version` becomes the served version, where vLLM keeps none).
+        Reached by collective_rpc or by the worker's channel; one call at a time either way."""
+        import threading
+
+        lock = self.__dict__.setdefault("_skyrl_update_lock", threading.Lock())
+        with lock:
+            return self._skyrl_weight_update(call)
+
+    def _skyrl_weight_update(self, call: str) -> dict:
         t_in = time.monotonic()
         c = json.loads(call)
         unknown = set(c) - {"start", "update_info", "finish", "version"}

@@ -10,6 +10,11 @@
                        served version (vLLM's own endpoints would cost a round trip each, and
                        0.26 keeps no version). GET /get_world_size gives each server's worker
                        count, so each server gets its own rank offset in the transfer group.
+                       channel=True (co-located CUDA IPC): after init each one-worker server's
+                       worker opens a listener of its own (skyrl_open_channel,
+                       rollout/worker_channel.py) and the rounds go there directly, skipping
+                       the API server and engine core hops; servers of several workers keep
+                       /collective_rpc.
 Every HTTP method fans out to all servers and raises WeightSyncError naming each that failed.
 Bodies are JSON; nothing else crosses the process boundary.
 """
@@ -69,9 +74,11 @@ class EngineClient:
 
 
 class HttpEngineClient(EngineClient):
-    def __init__(self, control: EngineControl, timeout_s: float = 600.0):
+    def __init__(self, control: EngineControl, timeout_s: float = 600.0, channel: bool = False):
         self.control = control
         self.timeout_s = timeout_s
+        self.channel = channel
+        self._channels: dict[str, KeptAliveJson] = {}  # server url -> its worker's own listener
         self._sizes: list[int] | None = None
         self._start_pending = False
         self._conns: dict[str, KeptAliveJson] = {}  # url -> its kept-alive connection (_call)
@@ -122,7 +129,12 @@ class HttpEngineClient(EngineClient):
         for n in self.world_sizes():
             bodies.append({"init_info": {**init_info, "rank_offset": off}})
             off += n
-        return self._each("POST", "/init_weight_transfer_engine", bodies)
+        out = self._each("POST", "/init_weight_transfer_engine", bodies)
+        if self.channel and not self._channels and all(n == 1 for n in self.world_sizes()):
+            opened = self._each("POST", "/collective_rpc", [{"method": "skyrl_open_channel",
+                                                             "timeout": self.timeout_s}] * len(self.urls))
+            self._channels = {u: KeptAliveJson(r["results"][0]["url"]) for u, r in opened.items()}
+        return out
 
     # start / update / finish go through the worker extension's skyrl_weight_update (module
     # doc): the start rides on the first round, the commit answers the served version
@@ -135,6 +147,11 @@ class HttpEngineClient(EngineClient):
         if self._start_pending:
             call = {"start": True, **call}
         self._start_pending = False  # sent (whatever the answer: a failed start fails the update)
+        if self._channels:  # each worker's own listener: same call, no API server / engine core hops
+            body = {"call": json.dumps(call)}
+            out = self._each("POST", "/skyrl_weight_update", [body] * len(self.urls),
+                             send=lambda u, b: self._channels[u].post("/skyrl_weight_update", b, self.timeout_s))
+            return {u: [r] for u, r in out.items()}
         body = {"method": "skyrl_weight_update", "kwargs": {"call": json.dumps(call)}, "timeout": self.timeout_s}
         for u in self.urls:
             if u not in self._conns:
@@ -174,9 +191,9 @@ class HttpEngineClient(EngineClient):
         self.close()
 
     def close(self) -> None:
-        for c in self._conns.values():
+        for c in [*self._conns.values(), *self._channels.values()]:
             c.close()
-        self._conns = {}
+        self._conns, self._channels = {}, {}
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None

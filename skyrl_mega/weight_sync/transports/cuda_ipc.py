@@ -43,7 +43,7 @@ from ...rollout.errors import WeightSyncError
 from .. import ipc_handles
 from ..checksum import buffer_checksums, digest, tensor_checksum
 from ..plan import ALIGN, BucketPlan, BucketSpec, DirectRefs, direct_view
-from .transfer_api import WeightTransferTransport, engine_spans
+from .transfer_api import WeightTransferTransport, engine_spans, worker_replies
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,10 @@ class CudaIpcTransport(WeightTransferTransport):
     """Co-located engines: IPC handles to parameter storage + one staging buffer (see module doc)."""
 
     def __init__(self, control=None, receivers=(), *, zero_copy: bool | None = None,
-                 staging_bytes: int | None = None, round_bytes: int | None = None, receive: str = "auto", **kw):
-        super().__init__(control, receivers, **kw)
+                 staging_bytes: int | None = None, round_bytes: int | None = None, receive: str = "auto",
+                 channel: bool = True, **kw):
+        # channel: the rounds go to each engine worker's own listener (clients.HttpEngineClient)
+        super().__init__(control, receivers, channel=channel, **kw)
         self.round_bytes = int(round_bytes) if round_bytes else 1 << 62  # None: no size limit
         self.receive = receive  # the engines' way in: "auto" (direct copies once learned) | "reload"
         self._exe = ThreadPoolExecutor(max_workers=1)  # posts rounds in order
@@ -302,6 +304,9 @@ class CudaIpcTransport(WeightTransferTransport):
         at = time.perf_counter() - self._t_start  # metrics are scalars: the first and the last answer
         self.timings.setdefault("first_answer_at_s", at)
         self.timings["last_answer_at_s"] = at
+        # 1.0 when every worker took the round on its own listener (rollout/worker_channel.py)
+        workers = list(worker_replies(out))
+        self.timings["via_channel"] = float(bool(workers) and all(w.get("via") == "channel" for w in workers))
         spans = engine_spans(out)  # when the round reached the engines' workers and left them
         if spans:
             self.timings.setdefault("engine_first_in_at_s", min(a for a, _ in spans) - self._t_start_mono)

@@ -37,35 +37,35 @@ from .clients import EngineClient, HttpEngineClient
 logger = logging.getLogger(__name__)
 
 
-def _worker_replies(reply):
+def worker_replies(reply):
     """The worker answers inside a fan-out reply ({url: [worker dict, ...]} per client)."""
     if isinstance(reply, dict):
         if "at" in reply or "copy_ms" in reply:
             yield reply
         else:
             for v in reply.values():
-                yield from _worker_replies(v)
+                yield from worker_replies(v)
     elif isinstance(reply, list):
         for v in reply:
-            yield from _worker_replies(v)
+            yield from worker_replies(v)
 
 
 def engine_spans(reply) -> list[tuple[float, float]]:
     """(arrived, answered) of each worker's skyrl_weight_update call in a fan-out reply, on this
     host's monotonic clock (rollout/vllm_plugin.py)."""
-    return [tuple(w["at"]) for w in _worker_replies(reply)
+    return [tuple(w["at"]) for w in worker_replies(reply)
             if isinstance(w.get("at"), list) and len(w["at"]) == 2]
 
 
 def engine_copy_ms(reply) -> float | None:
     """The slowest worker's GPU time of its direct copies in the committed update (None: not timed)."""
-    per = [sum(w["copy_ms"]) for w in _worker_replies(reply) if w.get("copy_ms")]
+    per = [sum(w["copy_ms"]) for w in worker_replies(reply) if w.get("copy_ms")]
     return max(per) if per else None
 
 
 def engine_map_check_ms(reply) -> float | None:
     """The slowest worker's host time checking its landing map before the update's first copy."""
-    per = [w["map_check_ms"] for w in _worker_replies(reply) if w.get("map_check_ms") is not None]
+    per = [w["map_check_ms"] for w in worker_replies(reply) if w.get("map_check_ms") is not None]
     return max(per) if per else None
 
 
@@ -73,7 +73,7 @@ class WeightTransferTransport(WeightTransport):
     def __init__(self, control: EngineControl | None = None, receivers: tuple[EngineClient, ...] | list = (), *,
                  pause_mode: str = "keep", kv_after_update: str = "recompute", verify: bool = False,
                  timeout_s: float = 600.0, device: torch.device | str | None = None,
-                 master_address: str | None = None, master_port: int | None = None):
+                 master_address: str | None = None, master_port: int | None = None, channel: bool = False):
         super().__init__()
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
@@ -81,7 +81,7 @@ class WeightTransferTransport(WeightTransport):
             raise ValueError(f"kv_after_update must be 'recompute' or 'keep', got {kv_after_update!r}")
         self.control = control
         self.clients: list[EngineClient] = (
-            ([HttpEngineClient(control, timeout_s)] if control is not None else []) + list(receivers))
+            ([HttpEngineClient(control, timeout_s, channel=channel)] if control is not None else []) + list(receivers))
         if not self.clients:
             raise ValueError("a weight transport needs engines (control) or receivers")
         self.pause_mode = pause_mode
