@@ -61,6 +61,8 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--noise", type=float, default=0.02)
     ap.add_argument("--random", action="store_true", help="no checkpoint: dummy engine weights, random trainer")
+    ap.add_argument("--worker-channel", action="store_true",
+                    help="rounds to the engine worker's own listener (rollout.worker_channel), not /collective_rpc")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
 
@@ -78,7 +80,7 @@ def main() -> int:
     from skyrl_mega.weight_sync.export import get_exporter
     from tests.support.faults import faulty, first_packed_offset
 
-    res: dict = {"device": torch.cuda.get_device_name(), "model": a.model}
+    res: dict = {"device": torch.cuda.get_device_name(), "model": a.model, "worker_channel": a.worker_channel}
 
     def save():
         with open(os.path.join(a.out, "results.json"), "w") as f:
@@ -147,7 +149,7 @@ def main() -> int:
             save()
 
         agreement("logprobs_before_sync")
-        transport = faulty(CudaIpcTransport)(ctl, zero_copy=True, timeout_s=600)
+        transport = faulty(CudaIpcTransport)(ctl, zero_copy=True, timeout_s=600, channel=a.worker_channel)
         bucket = a.bucket_mb << 20
 
         def timed(version, verify=False):

@@ -13,7 +13,9 @@ trainer in the same process tree) and checks what it measured:
   engine keeps its version;
 - the same weights sent by direct copies and then through vLLM's reload give the engine the
   same seeded samples and logprobs.
-Figures go to $SKYRL_GPU_RESULTS/vllm_gpu_sync.json when set. Skipped without CUDA.
+All of it twice: rounds through vLLM's /collective_rpc, and through the engine worker's own
+listener (--worker-channel, rollout.worker_channel; then every held round says it came that way).
+Figures go to $SKYRL_GPU_RESULTS/vllm_gpu_sync[_channel].json when set. Skipped without CUDA.
 """
 
 import json
@@ -30,15 +32,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEAN_TOL = 0.05  # bf16 Megatron local spec vs vLLM on the same weights (BENCHMARKS.md: 0.051 on 2b)
 
 
-def test_direct_copies_into_vllm_match_the_trainer(tiny_qwen3_moe, tmp_path):
+@pytest.mark.parametrize("channel", [False, True], ids=["collective_rpc", "worker_channel"])
+def test_direct_copies_into_vllm_match_the_trainer(tiny_qwen3_moe, tmp_path, channel):
     out = tmp_path / "bench"
     p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "vllm_weight_sync.py"), "--model",
-                        tiny_qwen3_moe, "--out", str(out), "--repeats", "2", "--bucket-mb", "1", "--noise", "0.05"],
+                        tiny_qwen3_moe, "--out", str(out), "--repeats", "2", "--bucket-mb", "1", "--noise", "0.05"]
+                       + (["--worker-channel"] if channel else []),
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.load(open(out / "results.json"))
     if os.environ.get("SKYRL_GPU_RESULTS"):
-        shutil.copy(out / "results.json", os.path.join(os.environ["SKYRL_GPU_RESULTS"], "vllm_gpu_sync.json"))
+        name = "vllm_gpu_sync_channel.json" if channel else "vllm_gpu_sync.json"
+        shutil.copy(out / "results.json", os.path.join(os.environ["SKYRL_GPU_RESULTS"], name))
+    assert res["held_sync"]["transport_timings"].get("via_channel") == (1.0 if channel else 0.0), res["held_sync"]
     notes = " ".join(res["engine_receive"])
     assert "copy straight into vLLM's parameters" in notes, notes
     assert res["logprobs_before_sync"]["mean_abs"] > 4 * MEAN_TOL

@@ -121,8 +121,9 @@ class RolloutConfig:
     verify_sync: str = "first_last"
     # cuda_ipc (co-located): each one-worker engine's worker takes the sync's rounds on a listener
     # of its own (rollout/worker_channel.py, 127.0.0.1) instead of through vLLM's API server and
-    # engine core; false: every round through POST /collective_rpc
-    worker_channel: bool = True
+    # engine core (false: every round through POST /collective_rpc). Off by default until it is
+    # measured on a GPU engine (checked on CPU against a real vLLM server)
+    worker_channel: bool = False
     log_dir: Optional[str] = None  # default: <output_dir>/engine_logs
 
 
