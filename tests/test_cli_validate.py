@@ -178,3 +178,12 @@ def test_large_recipe_validates_on_its_shapes(family, size, bridge, recipe, tmp_
     assert cli.main(["validate", "--recipe", recipe, f"model.path={model}",
                      f"data.train_path={prompts}"]) == 0
     assert "config OK for world size 8" in capsys.readouterr().out
+
+
+def test_a_bad_dist_backend_is_one_line_before_any_rank(tiny_qwen3_moe, capsys, monkeypatch):
+    """SKYRL_DIST_BACKEND is read by every rank; a bad value is refused by the launching process."""
+    monkeypatch.setenv("SKYRL_DIST_BACKEND", "mpi")
+    rc = cli.main(["train", "--recipe", RECIPE, f"model.path={tiny_qwen3_moe}", *NO_LAUNCH])
+    err, lines = _problems(capsys)
+    assert rc == 2, err
+    assert "SKYRL_DIST_BACKEND='mpi': use nccl or gloo" in err and "Traceback" not in err

@@ -135,11 +135,19 @@ def family_problems(path: str) -> list[str]:
     return [f"model.path: {path}/config.json: {p}" for p in config_problems(path)]
 
 
+def dist_backend_problems() -> list[str]:
+    """SKYRL_DIST_BACKEND (the ranks' collectives with CUDA; megatron/parallel.dist_backend)."""
+    want = os.environ.get("SKYRL_DIST_BACKEND", "").strip().lower()
+    if want in ("", "nccl", "gloo"):
+        return []
+    return [f"SKYRL_DIST_BACKEND={want!r}: use nccl or gloo (or leave it unset)"]
+
+
 def validate_config(cfg, world_size: Optional[int] = None, hf: Optional[dict] = None, *,
                     for_training: bool = False, probe_engines: bool = False) -> None:
     """Raises ConfigError listing every problem; returns None when the config is usable."""
     world = world_size or cfg.parallel.world_size or 1
-    problems = model_problems(cfg) + layout_problems(cfg, world)
+    problems = model_problems(cfg) + layout_problems(cfg, world) + dist_backend_problems()
     hf = hf if hf is not None else read_hf_config(cfg.model.path)
     if hf is not None:
         problems += model_layout_problems(cfg, hf) + family_problems(cfg.model.path)

@@ -45,12 +45,14 @@ def init_distributed(timeout_minutes: int = 10) -> tuple[int, int]:
 
 def dist_backend() -> str:
     """nccl with CUDA, gloo without; SKYRL_DIST_BACKEND (nccl | gloo) overrides it with CUDA."""
-    want = os.environ.get("SKYRL_DIST_BACKEND", "").strip().lower()
-    if want not in ("", "nccl", "gloo"):
-        raise ValueError(f"SKYRL_DIST_BACKEND={want!r}: use nccl or gloo (or leave it unset)")
+    from ..config.validate import ConfigError, dist_backend_problems
+
+    problems = dist_backend_problems()  # also checked by validate_config before any rank starts
+    if problems:
+        raise ConfigError(problems[0])
     if not torch.cuda.is_available():
         return "gloo"
-    return want or "nccl"
+    return os.environ.get("SKYRL_DIST_BACKEND", "").strip().lower() or "nccl"
 
 
 def init_model_parallel(parallel, seed: int = 1234) -> None:
