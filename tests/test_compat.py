@@ -224,7 +224,7 @@ from skyrl_mega.megatron.policy import build_policy
 cfg = load_config(None, ["model.path={tiny_qwen3_moe}", "algorithm.use_reference=false"])
 parallel.init_layout()
 policy = build_policy(cfg, total_steps=1)
-from skyrl_mega.compat.megatron_core import _inner_optimizers
+from skyrl_mega.compat.megatron_core.optimizer import _inner_optimizers
 groups = [g for o in _inner_optimizers(policy.optimizer) for g in o.param_groups]
 print("FUSED", len(groups), all(g["fused"] and not g["foreach"] for g in groups))
 parallel.destroy()

@@ -5,7 +5,8 @@ In:  explicit calls (or a mixin) at the places named below. Out: the dependency 
      `all_shims()` every shim with its guard. A shim acts only where its version range (read
      from the dependency's source, see each module) and its run-time condition hold.
 
-megatron_core.py (megatron-core; read 0.16.1 and 0.19), `apply_cpu_shims()` from
+megatron_core/ (megatron-core; read 0.16.1 and 0.19; registry in __init__, code in cpu.py,
+optimizer.py, gloo_cuda.py), `apply_cpu_shims()` from
 parallel.init_distributed, without CUDA only:
   cuda_stubs        torch.cuda device / stream / event / memory / RNG calls megatron makes
                     unconditionally, answered on CPU                          >=0.16.1

@@ -3,7 +3,7 @@
 In: the ParallelConfig and torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 Out: torch.distributed initialised (NCCL with CUDA, gloo without), megatron-core's
 TP/PP/CP/EP/ETP groups, and seeded RNG trackers. Without CUDA megatron-core's CPU shims
-(skyrl_mega/compat/megatron_core.py) are applied first.
+(skyrl_mega/compat/megatron_core/cpu.py) are applied first.
 
 SKYRL_DIST_BACKEND=gloo with CUDA: the ranks talk through gloo (host copies, slow) and share the
 GPUs round-robin (LOCAL_RANK % GPUs), so a layout of more ranks than GPUs runs on one GPU for

@@ -79,11 +79,10 @@ class WorkerChannel:
 
     def _use_device(self) -> None:
         """The CUDA device is per thread: the worker's, on every listener thread."""
-        dev = self._device
-        if dev is not None and getattr(dev, "type", str(dev).split(":")[0]) == "cuda":
-            import torch
+        import torch
 
-            torch.cuda.set_device(dev)
+        if self._device is not None and torch.device(self._device).type == "cuda":
+            torch.cuda.set_device(self._device)
 
     @property
     def url(self) -> str:
