@@ -252,6 +252,12 @@ def main() -> int:
 
         timed(101)
         direct = engine_logprobs()
+        repeat = engine_logprobs()  # the engine's own repeatability: no sync between the two
+        res["engine_repeat_same_weights"] = {
+            "same_tokens": sum(a[0] == b[0] for a, b in zip(direct, repeat)),
+            "max_abs_logprob_diff": max((abs(x - y) for a, b in zip(direct, repeat) if a[0] == b[0]
+                                         for x, y in zip(a[1], b[1])), default=None)}
+        print(f"[bench] engine repeat, no sync: {res['engine_repeat_same_weights']}", flush=True)
         reload_t = CudaIpcTransport(ctl, zero_copy=True, timeout_s=600, receive="reload")
         reload_t.verify = True
         sync_weights(bridge, models, reload_t, version=102, bucket_bytes=bucket)
