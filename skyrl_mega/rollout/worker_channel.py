@@ -30,6 +30,9 @@ PATH = "/skyrl_weight_update"
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # kept alive: the rounds of one sync share a connection
+    # TCP_NODELAY, and each answer leaves in ONE write (_answer): a kept-alive answer written as
+    # headers, then body, waits out the client's delayed ACK (Nagle): 40+ ms a round, measured
+    disable_nagle_algorithm = True
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         if self.path != PATH:
@@ -50,11 +53,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, status: int, obj: Any) -> None:
         data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        head = (f"{self.protocol_version} {status} {self.responses[status][0]}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n")
+        self.wfile.write(head.encode() + data)
 
     def log_message(self, fmt, *args):  # no access log in vLLM's output
         pass
