@@ -61,8 +61,9 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=1024)
     ap.add_argument("--noise", type=float, default=0.02)
     ap.add_argument("--random", action="store_true", help="no checkpoint: dummy engine weights, random trainer")
-    ap.add_argument("--worker-channel", action="store_true",
-                    help="rounds to the engine worker's own listener (rollout.worker_channel), not /collective_rpc")
+    ap.add_argument("--worker-channel", action=argparse.BooleanOptionalAction, default=True,
+                    help="rounds to the engine worker's own listener (rollout.worker_channel, the default); "
+                         "--no-worker-channel: every round through vLLM's /collective_rpc")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
 

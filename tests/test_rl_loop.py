@@ -260,10 +260,10 @@ def test_cuda_ipc_protocol_on_cpu_matches_the_shm_transport(short, tiny_qwen3_mo
     root, reference = short
     out = root / "ipc"
     run_torchrun("skyrl_mega.trainer", 2, _args(tiny_qwen3_moe, out, **{
-        "train.steps": 3, "rollout.weight_transport": "cuda_ipc", "rollout.worker_channel": "true"}), timeout=600,
+        "train.steps": 3, "rollout.weight_transport": "cuda_ipc"}), timeout=600,
         log_file=str(root / "ipc.log"))
     assert "transport=cuda_ipc" in open(root / "ipc.log").read()
     got = _metrics(out)
     _assert_same_run(got, reference, 3)
-    # the rounds went to the engine worker's own listener (rollout.worker_channel)
+    # the rounds went to the engine worker's own listener (rollout.worker_channel, on by default)
     assert all(r.get("weight_sync/via_channel") == 1.0 for r in got), [r.get("weight_sync/via_channel") for r in got]

@@ -60,7 +60,7 @@ class CudaIpcTransport(WeightTransferTransport):
 
     def __init__(self, control=None, receivers=(), *, zero_copy: bool | None = None,
                  staging_bytes: int | None = None, round_bytes: int | None = None, receive: str = "auto",
-                 channel: bool = False, **kw):
+                 channel: bool = True, **kw):
         # channel: the rounds go to each engine worker's own listener (clients.HttpEngineClient)
         super().__init__(control, receivers, channel=channel, **kw)
         self.round_bytes = int(round_bytes) if round_bytes else 1 << 62  # None: no size limit
