@@ -251,22 +251,19 @@ def main() -> int:
         def engine_logprobs():
             return [(s.token_ids, s.logprobs) for gn in engine_samples() for s in gn.samples]
 
+        def compare(first, second) -> dict:  # samples with the same tokens, their largest logprob gap
+            same = [(a[1], b[1]) for a, b in zip(first, second) if a[0] == b[0]]
+            return {"samples": len(first), "same_tokens": len(same),
+                    "max_abs_logprob_diff": max((abs(x - y) for a, b in same for x, y in zip(a, b)), default=None)}
+
         timed(101)
         direct = engine_logprobs()
-        repeat = engine_logprobs()  # the engine's own repeatability: no sync between the two
-        res["engine_repeat_same_weights"] = {
-            "same_tokens": sum(a[0] == b[0] for a, b in zip(direct, repeat)),
-            "max_abs_logprob_diff": max((abs(x - y) for a, b in zip(direct, repeat) if a[0] == b[0]
-                                         for x, y in zip(a[1], b[1])), default=None)}
+        res["engine_repeat_same_weights"] = compare(direct, engine_logprobs())  # no sync between the two
         print(f"[bench] engine repeat, no sync: {res['engine_repeat_same_weights']}", flush=True)
         reload_t = CudaIpcTransport(ctl, zero_copy=True, timeout_s=600, receive="reload")
         reload_t.verify = True
         sync_weights(bridge, models, reload_t, version=102, bucket_bytes=bucket)
-        again = engine_logprobs()
-        same = sum(a[0] == b[0] for a, b in zip(direct, again))
-        diffs = [abs(x - y) for a, b in zip(direct, again) if a[0] == b[0] for x, y in zip(a[1], b[1])]
-        res["direct_vs_reload_same_weights"] = {"samples": len(direct), "same_tokens": same,
-                                                "max_abs_logprob_diff": max(diffs, default=None)}
+        res["direct_vs_reload_same_weights"] = compare(direct, engine_logprobs())
         print(f"[bench] direct vs reload, same weights: {res['direct_vs_reload_same_weights']}", flush=True)
         save()
     finally:

@@ -13,8 +13,9 @@ trainer in the same process tree) and checks what it measured:
   engine keeps its version;
 - the same weights sent by direct copies and then through vLLM's reload give the engine the
   same seeded samples and logprobs.
-All of it twice: rounds through vLLM's /collective_rpc, and through the engine worker's own
-listener (--worker-channel, rollout.worker_channel; then every held round says it came that way).
+All of it twice: rounds through vLLM's /collective_rpc (--no-worker-channel), and through the
+engine worker's own listener (--worker-channel, rollout.worker_channel, the default; then every
+held round says it came that way).
 Figures go to $SKYRL_GPU_RESULTS/vllm_gpu_sync[_channel].json when set. Skipped without CUDA.
 """
 
@@ -37,7 +38,7 @@ def test_direct_copies_into_vllm_match_the_trainer(tiny_qwen3_moe, tmp_path, cha
     out = tmp_path / "bench"
     p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "vllm_weight_sync.py"), "--model",
                         tiny_qwen3_moe, "--out", str(out), "--repeats", "2", "--bucket-mb", "1", "--noise", "0.05"]
-                       + (["--worker-channel"] if channel else []),
+                       + ["--worker-channel" if channel else "--no-worker-channel"],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.load(open(out / "results.json"))
