@@ -267,3 +267,9 @@ def test_cuda_ipc_protocol_on_cpu_matches_the_shm_transport(short, tiny_qwen3_mo
     _assert_same_run(got, reference, 3)
     # the rounds went to the engine worker's own listener (rollout.worker_channel, on by default)
     assert all(r.get("weight_sync/via_channel") == 1.0 for r in got), [r.get("weight_sync/via_channel") for r in got]
+    # the first round's way, step by step (trainer: flushed, then taken by the sending thread;
+    # engine: at the worker's listener, then in the worker's call), each on its own process's clock
+    for r in got:
+        t = {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("weight_sync/")}
+        assert 0 <= t["first_round_at_s"] <= t["first_round_sending_at_s"], t
+        assert 0 <= t["engine_first_got_at_s"] <= t["engine_first_in_at_s"], t

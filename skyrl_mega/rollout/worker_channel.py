@@ -3,8 +3,9 @@
 In:  `WorkerChannel(handle, device)` inside a vLLM worker (the worker extension's
      `skyrl_open_channel`, rollout/vllm_plugin.py); then, from the trainer on the same host,
      POST /skyrl_weight_update with the JSON body {"call": "<the same JSON skyrl_weight_update takes>"}.
-Out: 200 with the worker's answer as JSON (plus "via": "channel"), or 500 {"error": "..."} when
-     the call raised (the trainer raises WeightSyncError with it).
+Out: 200 with the worker's answer as JSON (plus "via": "channel" and "got_at": when the request
+     reached the listener, on this host's monotonic clock, before its body was read), or 500
+     {"error": "..."} when the call raised (the trainer raises WeightSyncError with it).
 
 Why: through vLLM's POST /collective_rpc a round travels trainer -> API server -> engine core ->
 worker and back: 2-3.6 ms in and about 1 ms out on an H200 (BENCHMARKS.md), a fixed cost per
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -35,6 +37,7 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
 
     def do_POST(self):  # noqa: N802 (http.server's name)
+        got_at = time.monotonic()  # the request line and headers are in: the round has arrived
         if self.path != PATH:
             return self._answer(404, {"error": f"unknown path {self.path}; POST {PATH}"})
         try:
@@ -49,7 +52,7 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # the engine's error goes back to the trainer, as collective_rpc's would
             logger.exception("skyrl worker channel: %s failed", PATH)
             return self._answer(500, {"error": f"{type(e).__name__}: {e}"})
-        self._answer(200, {**out, "via": "channel"})
+        self._answer(200, {**out, "via": "channel", "got_at": got_at})
 
     def _answer(self, status: int, obj: Any) -> None:
         data = json.dumps(obj).encode()

@@ -101,7 +101,8 @@ def test_a_server_that_is_gone_is_a_connection_error():
 def test_engine_timeline_read_from_fan_out_replies():
     """The transports read the workers' own timestamps and copy times out of fan-out replies
     ({url: [worker answer, ...]} per client, as HttpEngineClient returns them)."""
-    from skyrl_mega.weight_sync.transports.transfer_api import engine_copy_ms, engine_map_check_ms, engine_spans
+    from skyrl_mega.weight_sync.transports.transfer_api import (engine_copy_ms, engine_got_at, engine_map_check_ms,
+                                                                engine_spans)
 
     reply = [{"http://a": [{"weight_version": "3", "at": [10.0, 10.5], "copy_ms": [4.0, 1.5], "map_check_ms": 0.4},
                            {"weight_version": "3", "at": [10.1, 10.7], "copy_ms": [5.0], "map_check_ms": 0.9}]},
@@ -110,3 +111,7 @@ def test_engine_timeline_read_from_fan_out_replies():
     assert engine_copy_ms(reply) == 5.5 and engine_map_check_ms(reply) == 0.9  # the slowest worker
     assert engine_map_check_ms([{"u": [{"at": [1.0, 2.0]}]}]) is None
     assert engine_spans([{"u": []}]) == [] and engine_copy_ms([{"u": [{"at": [1.0, 2.0]}]}]) is None
+    # the listener's arrival stamp (worker channel only): the earliest worker's
+    assert engine_got_at(reply) is None
+    assert engine_got_at([{"http://a": [{"at": [10.2, 10.5], "got_at": 10.15, "via": "channel"},
+                                        {"at": [10.1, 10.7], "got_at": 10.05, "via": "channel"}]}]) == 10.05

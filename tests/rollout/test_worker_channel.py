@@ -3,6 +3,7 @@ own: answers, errors and a kept-alive connection, with the trainer's client (Kep
 The listener inside a real vLLM server is covered by tests/test_rl_loop.py (cuda_ipc on CPU)."""
 
 import json
+import time
 
 import pytest
 
@@ -18,15 +19,19 @@ def test_channel_answers_the_handlers_result_and_its_errors():
         seen.append(json.loads(call))
         if json.loads(call).get("fail"):
             raise RuntimeError("update 7: checksum mismatch over CUDA IPC for ['w']")
-        return {"weight_version": "7", "at": [1.0, 2.0]}
+        return {"weight_version": "7", "at": [time.monotonic(), time.monotonic()]}
 
     ch = WorkerChannel(handle)
     try:
         assert ch.url.startswith("http://127.0.0.1:")
         c = KeptAliveJson(ch.url)
         for i in range(3):  # the rounds of one sync on one kept-alive connection
+            before = time.monotonic()
             out = c.post("/skyrl_weight_update", {"call": json.dumps({"round": i})}, 10)
-            assert out == {"weight_version": "7", "at": [1.0, 2.0], "via": "channel"}
+            assert set(out) == {"weight_version", "at", "via", "got_at"} and out["weight_version"] == "7"
+            assert out["via"] == "channel"
+            # the listener stamps the round's arrival (this host's monotonic clock) before the call
+            assert before <= out["got_at"] <= out["at"][0] <= out["at"][1] <= time.monotonic()
         assert [s["round"] for s in seen] == [0, 1, 2]
         with pytest.raises(RolloutHTTPError, match="checksum mismatch over CUDA IPC") as e:
             c.post("/skyrl_weight_update", {"call": json.dumps({"fail": True})}, 10)

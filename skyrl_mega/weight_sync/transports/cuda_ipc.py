@@ -43,7 +43,7 @@ from ...rollout.errors import WeightSyncError
 from .. import ipc_handles
 from ..checksum import buffer_checksums, digest, tensor_checksum
 from ..plan import ALIGN, BucketPlan, BucketSpec, DirectRefs, direct_view
-from .transfer_api import WeightTransferTransport, engine_spans, worker_replies
+from .transfer_api import WeightTransferTransport, engine_got_at, engine_spans, worker_replies
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +297,10 @@ class CudaIpcTransport(WeightTransferTransport):
 
     def _post_round(self, info: dict, commit=None) -> list:
         """One round to every engine; with `commit` (a version) the update's commit rides on it."""
+        # the first round's way to the engines, step by step: first_round_at_s (the main thread
+        # flushed it), first_round_sending_at_s (this thread took it), engine_first_got_at_s (a
+        # worker's listener had it), engine_first_in_at_s (the worker's call began)
+        self.timings.setdefault("first_round_sending_at_s", time.perf_counter() - self._t_start)
         if commit is None:
             out = self._fanout(lambda c: c.update(info))
         else:
@@ -311,6 +315,9 @@ class CudaIpcTransport(WeightTransferTransport):
         if spans:
             self.timings.setdefault("engine_first_in_at_s", min(a for a, _ in spans) - self._t_start_mono)
             self.timings["engine_last_out_at_s"] = max(b for _, b in spans) - self._t_start_mono
+        got = engine_got_at(out)
+        if got is not None:
+            self.timings.setdefault("engine_first_got_at_s", got - self._t_start_mono)
         return out
 
     def _uses_staging(self) -> bool:

@@ -57,6 +57,14 @@ def engine_spans(reply) -> list[tuple[float, float]]:
             if isinstance(w.get("at"), list) and len(w["at"]) == 2]
 
 
+def engine_got_at(reply) -> float | None:
+    """When a round first reached a worker's own listener (rollout/worker_channel.py: before the
+    body is read and the call waits for the worker), this host's monotonic clock; None where the
+    round came another way."""
+    got = [w["got_at"] for w in worker_replies(reply) if isinstance(w.get("got_at"), (int, float))]
+    return min(got) if got else None
+
+
 def engine_copy_ms(reply) -> float | None:
     """The slowest worker's GPU time of its direct copies in the committed update (None: not timed)."""
     per = [sum(w["copy_ms"]) for w in worker_replies(reply) if w.get("copy_ms")]
