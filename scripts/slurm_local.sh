@@ -5,22 +5,14 @@
 #   scripts/slurm_local.sh stop    -> cancels jobs, stops the daemons
 # State lives in ${SLURM_LOCAL_DIR:-/tmp/skyrl-slurm}. Needs root (apt-get, munge user).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/slurm_munge.sh"
 DIR=${SLURM_LOCAL_DIR:-/tmp/skyrl-slurm}
 CONF=$DIR/slurm.conf
 cmd=${1:-start}
 
 start() {
-  if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
-  fi
-  mkdir -p "$DIR"/{spool,state,log} /run/munge
-  chown munge:munge /run/munge 2>/dev/null || true
-  if [ ! -s /etc/munge/munge.key ]; then
-    dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null
-    chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
-  fi
-  pgrep -x munged >/dev/null || su -s /bin/sh munge -c "munged" || munged --force
+  ensure_slurm_and_munged
+  mkdir -p "$DIR"/{spool,state,log}
   local cpus mem
   cpus=$(nproc)
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))

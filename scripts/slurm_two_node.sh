@@ -21,6 +21,7 @@
 # UTS and mount namespace (its spool and pid file are per node through %n in slurm.conf).
 # State lives in ${SLURM_TWO_NODE_DIR:-/tmp/skyrl-slurm2}. Needs root (ip netns, apt-get, munge).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/slurm_munge.sh"
 DIR=${SLURM_TWO_NODE_DIR:-/tmp/skyrl-slurm2}
 CONF=$DIR/slurm.conf
 NET=${SKYRL_TWO_NODE_NET:-10.213.0}
@@ -100,17 +101,8 @@ alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 start() {
   [ "$(id -u)" = 0 ] || { echo "slurm_two_node.sh: needs root (ip netns, munge, slurmd)" >&2; exit 2; }
   ip netns list >/dev/null 2>&1 || { echo "slurm_two_node.sh: ip netns does not work here" >&2; exit 2; }
-  if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
-  fi
-  mkdir -p "$DIR"/{state,log,bin} /run/munge
-  chown munge:munge /run/munge 2>/dev/null || true
-  if [ ! -s /etc/munge/munge.key ]; then
-    dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null
-    chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
-  fi
-  pgrep -x munged >/dev/null || su -s /bin/sh munge -c "munged" || munged --force
+  ensure_slurm_and_munged
+  mkdir -p "$DIR"/{state,log,bin}
   ln -sf "$(command -v slurmctld)" "$DIR/bin/skyrl2-slurmctld"
   ln -sf "$(command -v slurmd)" "$DIR/bin/skyrl2-slurmd"
   network_up
