@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU vLLM runs behind BENCHMARKS.md's "Real vLLM on GPU" section, on one lent H200 with the
 # vLLM kit installed in /root/vsite and the project's wheels in /tmp/site (see BENCHMARKS.md):
-#   bench/h200_issue13.sh tests | sync2b | sync8b | sync15b | sync8b-rpc | sync15b-rpc | rollout     results under $OUT (default runs/h200)
+#   bench/h200_issue13.sh tests | sync | sync2b | sync8b | sync15b | sync8b-rpc | sync15b-rpc | rollout     results under $OUT (default runs/h200)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:/tmp/site:/root/vsite VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
@@ -20,9 +20,10 @@ case "$1" in
            python bench/vllm_weight_sync.py --model runs/qwen3_moe_8b --random $(rpc "$1") --out "$OUT/ws$1" ;;
   sync15b|sync15b-rpc)  tiny qwen3_moe runs/qwen3_moe_15b 15b ", weights=False"
            python bench/vllm_weight_sync.py --model runs/qwen3_moe_15b --random $(rpc "$1") --out "$OUT/ws$1" ;;
+  sync)    python bench/vllm_weight_sync.py --out "$OUT/wsauto" ;;  # the largest shape this GPU holds
   rollout) tiny qwen3_moe runs/qwen3_moe_1b 1b
            python bench/rollout_throughput.py --device gpu --dtype bfloat16 --servers 1 --model runs/qwen3_moe_1b \
              --prompts 1024 --n 1 --max-tokens 128 --concurrency 512 --kv-cache-gib 16 --repeats 3 \
              --log-dir "$OUT/rollout_logs" | tee "$OUT/rollout.txt" ;;
-  *) echo "usage: $0 tests | sync2b | sync8b | sync15b | sync8b-rpc | sync15b-rpc | rollout"; exit 2 ;;
+  *) echo "usage: $0 tests | sync | sync2b | sync8b | sync15b | sync8b-rpc | sync15b-rpc | rollout"; exit 2 ;;
 esac

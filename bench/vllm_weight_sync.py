@@ -1,5 +1,8 @@
 """Weight sync into a REAL vLLM GPU engine by CUDA IPC (colocated: trainer and engine on one GPU).
 
+    python bench/vllm_weight_sync.py --out runs/bench_ws_vllm
+    (no --model: the largest qwen3_moe shape of 15b / 8b / 2b that fits this GPU's free memory,
+     made under runs/; one line and exit 2 when none fits; --size picks one)
     python bench/vllm_weight_sync.py --model runs/qwen3_moe_2b --out runs/bench_ws_vllm
     (make the model first: skyrl-mega make-tiny qwen3_moe runs/qwen3_moe_2b --size 2b
      --dtype bfloat16 --device cuda; ~2.45B parameters, 4.6 GiB bf16)
@@ -53,9 +56,51 @@ def engine_notes(log_dir: str) -> list[str]:
     return out
 
 
+# qwen3_moe shapes the benchmark can make itself (models/tiny.py SIZES), largest first; those
+# over 4 GiB are made --config-only (random weights: dummy engine load, random trainer init)
+SYNC_SIZES = ("15b", "8b", "2b")
+WITH_WEIGHTS = ("2b",)
+# GPU bytes per parameter while the benchmark runs, bf16: the trainer's weights and gradients
+# (megatron DDP buffers, 2 + 2) and the engine's weights plus the second copy vLLM's layer-wise
+# reload holds during the first sync (2 + 2): on an 80 GB H100 the 9.9B-parameter 8b shape held
+# about 39 GB in the trainer and 39 GB in the engine, and ran out of memory
+BYTES_PER_PARAM = 8
+FIXED_BYTES = 6 << 30  # the engine's KV cache (2 GiB), CUDA contexts, allocator slack
+
+
+def need_bytes(params: int) -> int:
+    return params * BYTES_PER_PARAM + FIXED_BYTES
+
+
+def pick_size(free_bytes: int, params_of) -> tuple[str | None, str]:
+    """The largest of SYNC_SIZES that fits `free_bytes` of GPU memory (`params_of(size)`: its
+    parameter count), and a one-line reason; None and what the smallest needs when none fits."""
+    for size in SYNC_SIZES:
+        need = need_bytes(params_of(size))
+        if need <= free_bytes:
+            return size, f"size {size}: needs {need / 2**30:.1f} GiB of the {free_bytes / 2**30:.1f} GiB free"
+    smallest = SYNC_SIZES[-1]
+    return None, (f"the smallest shape ({smallest}, {params_of(smallest) / 1e9:.2f}B parameters) needs "
+                  f"{need_bytes(params_of(smallest)) / 2**30:.1f} GiB of GPU memory, {free_bytes / 2**30:.1f} GiB free")
+
+
+def ensure_size_model(size: str, models_dir: str) -> tuple[str, bool]:
+    """Makes runs/qwen3_moe_<size> on the GPU when missing; returns (dir, random weights)."""
+    from skyrl_mega.models.tiny import make_tiny
+
+    path = os.path.join(models_dir, f"qwen3_moe_{size}")
+    random = size not in WITH_WEIGHTS
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        make_tiny("qwen3_moe", path, size=size, dtype="bfloat16", device="cuda", weights=not random)
+    return path, random
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default=None, help="an HF dir; default: the --size shape, made here")
+    ap.add_argument("--size", default="auto", choices=("auto",) + SYNC_SIZES,
+                    help="qwen3_moe shape when no --model: auto picks the largest that fits this GPU")
+    ap.add_argument("--models-dir", default="runs")
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=1024)
@@ -68,6 +113,19 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
 
     import torch
+
+    if a.model is None:
+        from skyrl_mega.models.tiny import parameter_count
+
+        free = torch.cuda.mem_get_info()[0]
+        size = a.size
+        if size == "auto":
+            size, why = pick_size(free, lambda s: parameter_count("qwen3_moe", s))
+            print(f"[bench] {why}" if size else f"bench/vllm_weight_sync.py: {why}", flush=True,
+                  file=sys.stdout if size else sys.stderr)
+            if size is None:
+                return 2
+        a.model, a.random = ensure_size_model(size, a.models_dir)
 
     from bridges import bridge_for
     from skyrl_mega.compat.megatron_core import CPU_CONFIG
