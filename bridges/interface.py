@@ -5,7 +5,9 @@ skyrl_mega/megatron/specs) and whether the MoE routers replay routes (R3).
 Out: Megatron model chunks (list, one per virtual pipeline stage) with HF weights loaded,
 and an iterator of (hf_name, tensor) for export, gathered over TP/EP/PP. Checkpoint tensors a
 family declares carried (CARRIED_PREFIXES: MTP layers, a vision tower) are not built; every HF
-checkpoint written from the model gets them unchanged from the source checkpoint.
+checkpoint written from the model gets them unchanged from the source checkpoint. Either expert
+layout reads (fused 3-D experts as released Qwen3.5-MoE checkpoints hold them, or one tensor per
+expert: checkpoint/expert_layout.py); every HF checkpoint written keeps the source's layout.
 """
 
 from __future__ import annotations
@@ -174,6 +176,26 @@ class ModelBridge:
                 group.append(name)
                 size += sizes[name]
 
+    def source_layout(self):
+        """The source checkpoint's ExpertLayout (checkpoint/expert_layout.py): "fused" or
+        "per-expert"; the HF checkpoints written from the model keep it."""
+        from skyrl_mega.checkpoint.hf_reader import expert_layout
+
+        return expert_layout(self.hf_path)
+
+    def write_config(self, out_dir: str) -> None:
+        """The source checkpoint's config.json, copied as it is (the form the release wrote it
+        in, e.g. Nemotron 3's `hybrid_override_pattern`, and every field transformers would drop
+        or rewrite); a config without a file is saved by transformers."""
+        import os
+        import shutil
+
+        src = os.path.join(self.hf_path, "config.json")
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, "config.json"))
+        else:
+            self.hf_config.save_pretrained(out_dir)
+
     def load_hf(self, models: list[torch.nn.Module], path: str) -> None:
         self.impl.load_weights(models, path)
 
@@ -183,7 +205,8 @@ class ModelBridge:
 
     def save_hf(self, models: list[torch.nn.Module], path: str, shard_bytes: int = 2 << 30) -> None:
         """Collective. Rank 0 writes HF safetensors shards + index + config (atomically: a
-        temporary directory renamed at the end); the carried tensors come from the source."""
+        temporary directory renamed at the end) in the source checkpoint's expert layout; the
+        carried tensors come from the source."""
         import itertools
         import json
         import os
@@ -207,8 +230,10 @@ class ModelBridge:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        exported = self.export_hf(models)
-        for name, tensor in itertools.chain(exported, self.carried_tensors(shard_bytes) if rank0 else ()):
+        stream = itertools.chain(self.export_hf(models), self.carried_tensors(shard_bytes) if rank0 else ())
+        if rank0:  # the source checkpoint's expert layout (fused experts fused again)
+            stream = self.source_layout().fuse(stream)
+        for name, tensor in stream:
             if not rank0:
                 continue
             shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
@@ -221,7 +246,7 @@ class ModelBridge:
             total = sum(os.path.getsize(os.path.join(tmp, f)) for f in files)
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=1)
-            self.hf_config.save_pretrained(tmp)
+            self.write_config(tmp)
             shutil.rmtree(path, ignore_errors=True)
             os.rename(tmp, path)
         if dist.is_initialized():

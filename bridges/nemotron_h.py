@@ -29,6 +29,7 @@ from mbridge.core.llm_bridge import LLMBridge
 
 from skyrl_mega.compat.mbridge import LocalSpecMixin
 
+from .checkpoint_io import ReadsEitherExpertLayout
 from .tp_parts import FusedPartsTP
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -105,7 +106,7 @@ def unsupported(hf) -> list[str]:
     return problems
 
 
-class NemotronHBridge(LocalSpecMixin, FusedPartsTP, LLMBridge):
+class NemotronHBridge(ReadsEitherExpertLayout, LocalSpecMixin, FusedPartsTP, LLMBridge):
     TP_VECTORS = _MIXER_VECTORS
     CARRIED_PREFIXES = ("mtp.",)
     _CONFIG_MAPPING = {

@@ -33,6 +33,7 @@ from mbridge.core.llm_bridge import LLMBridge
 
 from skyrl_mega.compat.mbridge import LocalSpecMixin
 
+from .checkpoint_io import ReadsEitherExpertLayout
 from .tp_parts import FusedPartsTP
 from skyrl_mega.compat.transformers import fix_hf_config
 
@@ -89,7 +90,7 @@ def unsupported(hf) -> list[str]:
     return problems
 
 
-class Qwen3_5MoeBridge(LocalSpecMixin, FusedPartsTP, LLMBridge):
+class Qwen3_5MoeBridge(ReadsEitherExpertLayout, LocalSpecMixin, FusedPartsTP, LLMBridge):
     TP_VECTORS = _GDN_VECTORS
     CARRIED_PREFIXES = ("mtp.", "model.visual.")
     _CONFIG_MAPPING = {

@@ -1,7 +1,7 @@
 """Qwen3-MoE: HF <-> Megatron names (declarative) on top of mbridge's Qwen3-MoE bridge.
 
 Adds the dense-MLP layers (`mlp_only_layers`); skyrl's layer spec and the local-spec names come
-from compat.mbridge.LocalSpecMixin; the rest is mbridge's.
+from compat.mbridge.LocalSpecMixin, reads through checkpoint_io; the rest is mbridge's.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from mbridge.models.qwen3moe import Qwen3MoEBridge
 
 from skyrl_mega.compat.mbridge import LocalSpecMixin
 
+from .checkpoint_io import ReadsEitherExpertLayout
+
 L = "model.layers.{layer_number}"
 
 
-class Qwen3MoeBridge(LocalSpecMixin, Qwen3MoEBridge):
+class Qwen3MoeBridge(ReadsEitherExpertLayout, LocalSpecMixin, Qwen3MoEBridge):
     _MLP_MAPPING = {
         "pre_mlp_layernorm": [f"{L}.post_attention_layernorm.weight"],
         "mlp.linear_fc1.layer_norm_weight": [f"{L}.post_attention_layernorm.weight"],

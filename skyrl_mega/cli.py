@@ -40,7 +40,8 @@ def cmd_make_tiny(args) -> int:
 
     try:
         make_tiny(args.family, args.out_dir, seed=args.seed, size=args.size, dtype=args.dtype, device=args.device,
-                  weights=not args.config_only, multimodal=args.multimodal, mtp=args.mtp)
+                  weights=not args.config_only, multimodal=args.multimodal, mtp=args.mtp,
+                  expert_layout=args.expert_layout)
     except ValueError as e:  # unknown family or size, --multimodal on another family: one line
         print(f"skyrl-mega make-tiny: {e}", file=sys.stderr)
         return 2
@@ -48,9 +49,24 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def _print_checkpoint(path: str) -> None:
+    """What `validate` found in the checkpoint: its expert layout (fused 3-D or per expert)."""
+    from skyrl_mega.checkpoint.preflight import safetensors_files
+
+    if not path or not os.path.isdir(path) or not safetensors_files(path):
+        return  # config only: no weights to describe
+    from skyrl_mega.checkpoint.hf_reader import expert_layout
+
+    layout = expert_layout(path)
+    fused = f" ({len(layout.members)} fused tensors)" if layout.members else ""
+    print(f"checkpoint {path}: routed experts {layout.name}{fused}")
+
+
 def cmd_validate(args) -> int:
-    """Validates the recipe + overrides; with -m, every job of the sweep (exit 2 if any fails)."""
+    """Validates the recipe + overrides and prints the run's memory per GPU (config/memory.py);
+    with -m, every job of the sweep (exit 2 if any fails)."""
     from skyrl_mega.config import ConfigError
+    from skyrl_mega.config.memory import memory_table
     from skyrl_mega.config.sweep import sweep_jobs
 
     if not args.multirun:
@@ -58,7 +74,11 @@ def cmd_validate(args) -> int:
         if args.cfg:
             _print_cfg(cfg, args)
             return 0
-        print(f"config OK for world size {_validate(cfg, args.nproc)}")
+        world = _validate(cfg, args.nproc)
+        print(f"config OK for world size {world}")
+        _print_checkpoint(cfg.model.path)
+        for line in memory_table(cfg, world):
+            print(line)
         return 0
     jobs, failed = sweep_jobs(args.overrides), 0
     for i, overrides in enumerate(jobs):
@@ -189,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="config and tokenizer, no weights (for vLLM's --load-format dummy and random-init trainers)")
     p.add_argument("--multimodal", action="store_true",
                    help="qwen3_5_moe: Qwen3.5's released multimodal layout (text model + a tiny vision tower)")
+    p.add_argument("--expert-layout", choices=["fused", "per-expert"], default=None,
+                   help="routed experts as fused 3-D tensors or one tensor per expert (default: the family's "
+                        "released layout: fused for qwen3_5_moe, per-expert for the others)")
     p.add_argument("--mtp", action="store_true",
                    help="qwen3_5_moe, nemotron3: one multi-token-prediction layer's tensors (mtp.*), as released")
     p.set_defaults(fn=cmd_make_tiny)

@@ -132,3 +132,21 @@ def test_carried_tensors_come_back_unchanged(family, layout, multimodal, tmp_pat
         converted = _tensors(out)
         assert sorted(converted) == sorted(original), sorted(set(original) ^ set(converted))[:5]
         assert all(torch.equal(converted[k], original[k]) for k in original), out
+
+
+def test_released_nemotron_config_form_round_trips(tmp_path):
+    """Nemotron-3-Nano's config.json as released (`hybrid_override_pattern` and
+    `mtp_hybrid_override_pattern` strings, not transformers 5's lists): converted EP=2 in, TP=2
+    out, the config comes back byte for byte and every tensor (MTP layer included) bit for bit."""
+    from skyrl_mega.models.tiny import make_tiny, nemotron_released_config
+
+    hf, mcore, back = (str(tmp_path / n) for n in ("hf", "mcore", "back"))
+    nemotron_released_config(make_tiny("nemotron3", hf, mtp=True))
+    config = open(os.path.join(hf, "config.json"), "rb").read()
+    assert b"hybrid_override_pattern" in config and b"layers_block_type" not in config
+    assert cli.main(["convert", "hf-to-mcore", hf, mcore, "--nproc", "2", "parallel.ep=2"]) == 0
+    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", hf, "--nproc", "2", "parallel.tp=2"]) == 0
+    assert open(os.path.join(back, "config.json"), "rb").read() == config
+    original, converted = _tensors(hf), _tensors(back)
+    assert sorted(converted) == sorted(original)
+    assert all(torch.equal(converted[k], original[k]) for k in original)

@@ -53,7 +53,8 @@ def test_cli_make_tiny_and_unknown_family(tmp_path):
     ("qwen3_moe", "1b", 0.85e9, 1.15e9), ("qwen3_moe", "2b", 2.2e9, 2.7e9), ("qwen3_moe", "8b", 9.5e9, 10.3e9),
     ("qwen3_moe", "15b", 14.8e9, 15.2e9),  # the 29.9 GB weight-sync run
     ("nemotron3", "30b_a3b", 31.5e9, 31.7e9),  # the nano recipe's arithmetic: 31.6 B
-    ("qwen3_5_moe", "35b_a3b", 34.6e9, 34.7e9)])  # the 35b_a3b recipe's: 34.66 B
+    ("qwen3_5_moe", "35b_a3b", 34.6e9, 34.7e9),  # the 35b_a3b recipe's: 34.66 B
+    ("qwen3_5_moe", "397b_a17b", 396e9, 397e9)])  # 397 B released, with its MTP layer and vision tower
 def test_large_sizes_have_the_parameter_counts_they_claim(family, size, low, high):
     """The GPU runs' shapes, counted on the meta device (nothing allocated)."""
     import torch

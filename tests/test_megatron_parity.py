@@ -78,13 +78,17 @@ def test_packed_logits_equal_unpacked(runs, layout):
 
 
 def _model_tensors(path):
-    """The checkpoint's tensors the model builds: without the MTP layer (and vision tower) the
-    hybrid fixtures carry (ModelBridge.carried)."""
+    """The checkpoint's tensors the model builds, as the bridges read them (Qwen3.5's fused
+    experts as their per-expert slices, the export's names): without the MTP layer (and vision
+    tower) the hybrid fixtures carry (ModelBridge.carried)."""
     from bridges.nemotron_h import NemotronHBridge
     from bridges.qwen3_5_moe import Qwen3_5MoeBridge
+    from skyrl_mega.checkpoint.hf_reader import HFReader
 
     carried = NemotronHBridge.CARRIED_PREFIXES + Qwen3_5MoeBridge.CARRIED_PREFIXES
-    return {k: v for k, v in load_file(os.path.join(path, "model.safetensors")).items() if not k.startswith(carried)}
+    reader = HFReader(path)
+    names = [k for k in reader.files if not k.startswith(carried)]
+    return dict(zip(names, reader.read(names)))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

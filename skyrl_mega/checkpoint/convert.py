@@ -41,7 +41,7 @@ from ..megatron import parallel
 from ..megatron.model import build_bridge
 from .dist_ckpt import MANIFEST, CheckpointError, _unwrap, verify_distributed
 from .hf_output import publish_index, write_group
-from .hf_reader import HFReader, tensor_dtypes, tensor_nbytes
+from .hf_reader import HFReader
 from .progress import Progress, report_peak, rss
 from .stream_save import save_streaming, written_pieces
 from .tensor_names import (check_same_tensors, dist_ckpt_model_keys, hf_file_tensor_names, hf_weight_names,
@@ -145,14 +145,16 @@ def split_work(sizes: list[int], world: int, group_bytes: int) -> list[list[list
     return out
 
 
-def _load_units(sharded: dict, names: list[str]) -> list[list[str]]:
+def _load_units(sharded: dict, names: list[str], written_together=lambda name: ()) -> list[list[str]]:
     """Entries loaded together: those saved under a common checkpoint key (a layer's experts:
-    megatron's legacy expert tensors load only as all of a key's local shards), in model order."""
+    megatron's legacy expert tensors load only as all of a key's local shards), and those whose
+    HF tensors are written as one (`written_together(name)`: e.g. the fused expert tensor its
+    HF tensors belong to), in model order."""
     from .stream_save import _nested_sharded
 
     unit_of_key, units = {}, []
     for n in names:
-        keys = {sh.key for sh in _nested_sharded(sharded[n])}
+        keys = {sh.key for sh in _nested_sharded(sharded[n])} | {("hf", k) for k in written_together(n)}
         hit = sorted({unit_of_key[k] for k in keys if k in unit_of_key})
         if not hit:
             units.append([n])
@@ -192,15 +194,16 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
     (prefix, sharded), = state.items()  # one chunk at PP = 1
     sources = bridge.hf_sources(_unwrap(models[0]))
     # the reference checkpoint's dtype per tensor: a bf16 model comes back bf16 (the dist-ckpt may
-    # hold fp32 master weights, the trainer's, or the fp32 copies of a conversion)
-    ref_dtypes = tensor_dtypes(cfg.model.path)
+    # hold fp32 master weights, the trainer's, or the fp32 copies of a conversion); its expert
+    # layout: fused experts are written fused (a fused tensor's parts in one group)
+    ref = HFReader(cfg.model.path)
+    ref_dtypes, ref_sizes, layout = ref.dtypes(), ref.nbytes(), ref.layout
     entries = dict(_unwrap(models[0]).state_dict())
     names = [n for n in sharded if n in sources]
-    units = _load_units(sharded, names)
+    units = _load_units(sharded, names, lambda n: {layout.parts[h].stored for h in sources[n][1] if h in layout.parts})
     sizes = [sum(_entry_bytes(entries[n]) for n in u) for u in units]
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = split_work(sizes, world, shard_bytes)
-    ref_sizes = tensor_nbytes(cfg.model.path)
     carried = bridge.carried(ref_sizes)
     progress = Progress("mcore-to-hf", len(names) + len(carried), sum(sizes) + sum(ref_sizes[n] for n in carried),
                         show=rank == 0)
@@ -221,7 +224,7 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
             for k, v in dict(bridge.hf_from_whole(sources[n][0], tensor)).items():
                 hf[k] = v.to(ref_dtypes.get(k, v.dtype))
         if hf:
-            written.append(write_group(partial, rank, len(written), hf))
+            written.append(write_group(partial, rank, len(written), dict(layout.fuse(hf.items()))))
         del hf, loaded
         dist.all_reduce(done)
         progress.add(int(done[0]), int(done[1]))
@@ -229,7 +232,7 @@ def mcore_to_hf(cfg, ckpt_dir: str, out_dir: str, shard_bytes: int = DEFAULT_SHA
     progress.line()
     publish_index(partial, written)
     if rank == 0:
-        bridge.hf_config.save_pretrained(partial)
+        bridge.write_config(partial)
         for f in TOKENIZER_FILES:
             src = os.path.join(cfg.model.path, f)
             if os.path.exists(src):

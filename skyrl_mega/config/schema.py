@@ -28,6 +28,9 @@ class ParallelConfig:
     etp: Optional[int] = None  # expert tensor parallel; None = same as tp
     sequence_parallel: Optional[bool] = None  # None = on when tp > 1
     world_size: Optional[int] = None  # filled from the launcher when None
+    # memory of one GPU (GiB): `validate` and `train` refuse a run whose estimated peak per GPU
+    # is larger (config/memory.py; null: no check). 80: an H100 80GB; recipes for the H200 set 140
+    gpu_memory_gib: Optional[float] = 80.0
 
 
 @dataclass

@@ -8,8 +8,10 @@ key, what is wrong and how to fix it (a single problem is a single line).
 Checked here: the model checkpoint and layer spec, the parallel layout against the world size,
 the model (experts vs EP, layers vs PP, heads vs TP, context parallel on attention-only models);
 field_checks.py: every other field (ranges, choices, registered names and their options,
-engine URLs). for_training adds what only a training run needs (its data); probe_engines asks
-each rollout.external_urls engine for /health (the CLI does; ranks skip it).
+engine URLs). for_training adds what only a training run needs: its data, and, once everything
+else is valid, its memory per GPU (memory.py: the estimated peak against parallel.gpu_memory_gib;
+`convert` and the ranks skip it); probe_engines asks each rollout.external_urls engine for
+/health (the CLI does; ranks skip it).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def layout_problems(cfg, world: int) -> list[str]:
     p, a = cfg.parallel, cfg.algorithm
     out = at_least(cfg, 1, [f"parallel.{k}" for k in ("tp", "pp", "cp", "ep")])
     out += at_least(cfg, 1, ["parallel.etp", "parallel.world_size"], optional=True)
+    out += at_least(cfg, 0, ["parallel.gpu_memory_gib"], strict=True, optional=True)
     if out:
         return out
     etp = p.etp if p.etp is not None else p.tp
@@ -128,6 +131,15 @@ def model_layout_problems(cfg, hf: dict[str, Any]) -> list[str]:
     return out
 
 
+def memory_problems(cfg, world: int, hf: dict[str, Any]) -> list[str]:
+    """The run's estimated peak per GPU against parallel.gpu_memory_gib (config/memory.py)."""
+    from .memory import estimate
+
+    est = estimate(hf, cfg, world)
+    problem = est.problem() if est is not None else None
+    return [problem] if problem else []
+
+
 def family_problems(path: str) -> list[str]:
     """What the model family's bridge cannot build from this checkpoint's config."""
     from bridges.interface import config_problems
@@ -152,6 +164,8 @@ def validate_config(cfg, world_size: Optional[int] = None, hf: Optional[dict] = 
     if hf is not None:
         problems += model_layout_problems(cfg, hf) + family_problems(cfg.model.path)
     problems += field_problems(cfg, for_training=for_training, probe_engines=probe_engines)
+    if for_training and hf is not None and not problems:  # the estimate reads most fields: valid ones
+        problems += memory_problems(cfg, world, hf)
     if len(problems) == 1:
         raise ConfigError(f"invalid config: {problems[0]}")
     if problems:

@@ -4,7 +4,9 @@ In: a family name, an output directory and a size (tiny by default; SIZES holds 
 Qwen3-MoE shapes the GPU runs use). Out: that directory holding config.json, model.safetensors
 (seeded; fp32 unless a dtype is given) and a locally trained tokenizer; Qwen3.5-MoE also in its
 released multimodal layout (`multimodal=True`); Qwen3.5-MoE and Nemotron 3 with one
-multi-token-prediction layer (`mtp=True`). Nothing is downloaded.
+multi-token-prediction layer (`mtp=True`). Routed experts in the family's released layout by
+default (RELEASED_EXPERT_LAYOUT: Qwen3.5-MoE fused 3-D tensors, the others one tensor per
+expert; `expert_layout` picks). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -113,6 +115,17 @@ SIZES = {
         linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, max_position_embeddings=262144, initializer_range=0.02,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)]),
+    # Qwen3.5-397B-A17B's shapes (396.35B parameters without its MTP layer and vision tower;
+    # --config-only for recipe checks). Values as published for the release (model card and
+    # third-party spec sheets agree: 60 layers, 3 Gated DeltaNet then 1 gated attention, hidden
+    # 4096, 32 / 2 heads of 256, GDN 16 key / 64 value heads, 512 experts top-10 of 1024 + a
+    # shared expert of 1024, vocabulary 248320); the GDN head dims (128) as in the 35B release
+    ("qwen3_5_moe", "397b_a17b"): dict(
+        vocab_size=248320, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024, max_position_embeddings=262144, initializer_range=0.02,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(60)]),
 }
 
 
@@ -165,14 +178,38 @@ def _by_count(size: str) -> tuple:
     return (0, int(digits), size) if digits else (1, 0, size)
 
 
+# how each family's released checkpoints store their routed experts (checkpoint/expert_layout.py)
+RELEASED_EXPERT_LAYOUT = {"qwen3_5_moe": "fused", "qwen3_moe": "per-expert", "nemotron3": "per-expert"}
+EXPERT_LAYOUTS = ("fused", "per-expert")
+
+
+def parameter_count(family: str, size: str = "tiny") -> int:
+    """Parameters of `family` at `size` (MTP layer and vision tower excluded), counted on the
+    meta device: nothing is allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = FAMILIES[family].make_config(**SIZES.get((family, size), {}))
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
 def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtype: str = "float32",
               device: str = "cpu", weights: bool = True, multimodal: bool = False, mtp: bool = False,
-              **config_overrides) -> str:
+              expert_layout: str | None = None, **config_overrides) -> str:
     """Writes a random-weight checkpoint of `family` (shape `size`) to `out_dir`; returns out_dir.
     weights=False: config.json and the tokenizer only. multimodal=True (qwen3_5_moe): Qwen3.5's
     released layout, the text model under model.language_model.* beside a tiny vision tower
     (vLLM 0.26 serves Qwen3.5-MoE only in this layout). mtp=True (qwen3_5_moe, nemotron3): one
-    multi-token-prediction layer as the released checkpoints hold it (add_mtp_layer)."""
+    multi-token-prediction layer as the released checkpoints hold it (add_mtp_layer).
+    expert_layout: "fused" | "per-expert" (None: the family's released one); the MTP layer's
+    experts stay per-expert, as released."""
+    expert_layout = expert_layout or RELEASED_EXPERT_LAYOUT.get(family, "per-expert")
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={expert_layout!r}: choose one of {list(EXPERT_LAYOUTS)}")
+    if expert_layout == "fused" and family != "qwen3_5_moe":
+        raise ValueError(f"expert_layout='fused': only qwen3_5_moe releases fuse their experts ({family}'s "
+                         "store one tensor per expert)")
     if mtp and (family not in MTP_FAMILIES or not weights):
         raise ValueError(f"mtp=True: only for {' and '.join(MTP_FAMILIES)}, with weights")
     if multimodal:
@@ -181,7 +218,8 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
         import tempfile
 
         with tempfile.TemporaryDirectory() as text_dir:
-            make_tiny(family, text_dir, seed, size, dtype, device, mtp=mtp, **config_overrides)
+            make_tiny(family, text_dir, seed, size, dtype, device, mtp=mtp, expert_layout=expert_layout,
+                      **config_overrides)
             return qwen3_5_multimodal_layout(text_dir, out_dir)
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
@@ -218,6 +256,8 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
         model.save_pretrained(out_dir)
         if mtp:
             add_mtp_layer(family, out_dir, config, seed)
+        if expert_layout == "fused":
+            fuse_experts(os.path.join(out_dir, "model.safetensors"))
     else:  # the class name only (vLLM picks its model by `architectures`): built on meta, nothing allocated
         with torch.device("meta"):
             config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]
@@ -227,6 +267,40 @@ def make_tiny(family: str, out_dir: str, seed: int = 0, size: str = "tiny", dtyp
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}, f)
     return out_dir
+
+
+def fuse_experts(path: str) -> None:
+    """Rewrites a safetensors file's per-expert routed experts (not the MTP layer's) as fused
+    3-D tensors, the released Qwen3.5-MoE layout."""
+    from safetensors.torch import load_file, save_file
+
+    from ..checkpoint.expert_layout import ExpertLayout, fused_shapes
+
+    tensors = load_file(path)
+    decoder = {n: list(t.shape) for n, t in tensors.items() if not n.startswith("mtp.")}
+    layout = ExpertLayout(fused_shapes(decoder))
+    save_file(dict(layout.fuse(tensors.items())), path, metadata={"format": "pt"})
+
+
+_PATTERN_SYMBOL = {"mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*", "full_attention": "*",
+                   "mlp": "-"}
+
+
+def nemotron_released_config(hf_dir: str) -> str:
+    """Rewrites a Nemotron 3 checkpoint's config.json in the form NVIDIA-Nemotron-3-Nano-30B-A3B
+    was released with: `hybrid_override_pattern` (and `mtp_hybrid_override_pattern`) strings
+    instead of transformers 5's `layers_block_type` lists. Returns hf_dir."""
+    path = os.path.join(hf_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    for lists, pattern in (("layers_block_type", "hybrid_override_pattern"),
+                           ("mtp_layers_block_type", "mtp_hybrid_override_pattern")):
+        if lists in cfg:
+            cfg[pattern] = "".join(_PATTERN_SYMBOL[k] for k in cfg.pop(lists))
+    cfg["num_hidden_layers"] = len(cfg["hybrid_override_pattern"])
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return hf_dir
 
 
 def _qwen3_5_mtp_config(config) -> None:
