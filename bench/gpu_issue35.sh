@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The released-checkpoint checks (issue 35) on one lent GPU (H100 or H200), once the vLLM kit's six
+# parts are stashed there (.whl/install_parts.sh stash .whl/pNN, one transfer each) and .pw .pr
+# .device are carried (bench/device_kit.sh makes them here):
+#   bench/gpu_issue35.sh check   the GPU vLLM tests, and Qwen3.5-MoE (the released, fused expert
+#                                layout: .device/tiny_qwen3_5_moe_vl) and Nemotron 3 colocated RL
+#                                against vLLM 0.26 with R3, at once
+#   bench/gpu_issue35.sh sync    the weight-sync benchmark at the largest shape this GPU holds
+# Results: runs/gpu35, and packed as $OUT/results.tar.gz when the device tool's $OUT is set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RES=runs/gpu35; mkdir -p "$RES"
+{ bash .whl/install_parts.sh install && bash bench/h200_hybrids.sh install; } > "$RES/install_$1.log" 2>&1 \
+  || { tail -20 "$RES/install_$1.log"; exit 1; }
+case "$1" in
+  check)
+    ( OUT=$RES STEPS=${STEPS:-20} RL_TIMEOUT=${RL_TIMEOUT:-480} bash bench/h200_hybrids.sh rl "qwen3_5_moe nemotron3" \
+        > "$RES/rl.log" 2>&1 ) &
+    OUT=$RES bash bench/h200_issue13.sh tests > "$RES/tests.log" 2>&1; echo "[tests] exit $?" >> "$RES/tests.log"
+    wait
+    tail -n 4 "$RES/tests.log"; grep -h -E "^\[rl\]|reward|coverage" "$RES"/rl_*.log | tail -n 12 ;;
+  sync)
+    OUT=$RES bash bench/h200_issue13.sh sync > "$RES/sync.log" 2>&1; echo "[sync] exit $?" >> "$RES/sync.log"
+    grep -E "^\[bench\]|exit" "$RES/sync.log" | tail -n 12 ;;
+  *) echo "usage: $0 check | sync"; exit 2 ;;
+esac
+[ -n "${OUT:-}" ] && tar czf "$OUT/results_$1.tar.gz" -C runs gpu35
