@@ -20,6 +20,10 @@ GPU, one H200 (the carried wheels first; see BENCHMARKS.md):
     PYTHONPATH=/tmp/site:$PWD python3 bench/train_speed.py --preset h200_4k
 CPU smoke run (tiny model, fp32; no ceiling fraction worth reading):
     python bench/train_speed.py --preset cpu
+A family at its released width (FAMILY_SHAPES: fewer layers, real vocabulary), one GPU:
+    python3 bench/train_speed.py --preset h200_4k --family nemotron3 --specs local
+(--preset cpu --family F: the family's tiny model). Each family's fraction of the ceiling comes
+from its own run's ceiling measurement.
 """
 
 from __future__ import annotations
@@ -46,6 +50,18 @@ PRESETS = {
 }
 
 
+# --family F: the family's released width (make-tiny SIZES, real vocabularies) with fewer layers,
+# so one GPU holds it with its optimizer state; every layer kind of the release appears
+FAMILY_SHAPES = {
+    # Qwen3-30B-A3B's layer shapes (128 experts of 768, top-8, hidden 2048), 3 layers, its vocabulary
+    "qwen3_moe": ("15b", dict(num_hidden_layers=3, vocab_size=151936)),
+    # Qwen3.5-35B-A3B's (256 experts of 512, top-8, hidden 2048, GDN + gated attention), 2 layers
+    "qwen3_5_moe": ("35b_a3b", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])),
+    # Nemotron-3-Nano-30B-A3B's (128 experts of 1856, top-6, hidden 2688, Mamba2 + attention), 4 layers
+    "nemotron3": ("30b_a3b", dict(layers_block_type=["mamba", "moe", "attention", "moe"])),
+}
+
+
 # spec variants: a model.spec value and the overrides that make the variant
 VARIANTS = {"fast-unfused": ("fast", ["model.fused_kernels=off"])}
 
@@ -57,6 +73,9 @@ def parse_args(argv=None):
                  "batch", "min_len", "max_len", "max_tokens", "steps", "warmup", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--family", choices=sorted(FAMILY_SHAPES), default=None,
+                   help="a family's released width with fewer layers (FAMILY_SHAPES; tiny with --preset cpu) "
+                        "instead of the preset's Qwen3-MoE shape")
     p.add_argument("--specs", default="local,fast",
                    help="comma-separated model.spec values (or " + ", ".join(VARIANTS) + "), timed in this order")
     p.add_argument("--model-dir", default=None)
@@ -78,6 +97,48 @@ def model_flops(a, lengths) -> float:
     linear = 6.0 * matmul_params_per_token(a) * sum(lengths)
     attention = 6.0 * a.layers * a.heads * a.head_dim * sum(n * n for n in lengths)
     return linear + attention
+
+
+def family_model(args) -> str:
+    """The --family model (random weights, bf16 on a GPU), made once under .cache/bench; sets
+    args.experts / topk / vocab (the batch's routes and ids) from its config."""
+    import torch
+
+    from skyrl_mega.config.validate import num_experts, read_hf_config
+    from skyrl_mega.models.tiny import make_tiny
+
+    size, overrides = FAMILY_SHAPES[args.family] if args.preset != "cpu" else ("tiny", {})
+    args.family_size = size
+    path = args.model_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
+                                          "bench", f"{args.family}_{size}_{args.dtype}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        make_tiny(args.family, path, size=size, dtype=args.dtype, device="cuda" if torch.cuda.is_available() else "cpu",
+                  max_position_embeddings=max(4096, args.max_len), **overrides)
+    hf = read_hf_config(path)
+    args.experts, args.topk, args.vocab = num_experts(hf), hf["num_experts_per_tok"], hf["vocab_size"]
+    return path
+
+
+def family_flops(hf: dict, lengths) -> tuple[float, int]:
+    """(model FLOPs of one step, matmul parameters a token goes through) for a family's config:
+    6 x (every layer's dense parameters + its routed experts' times top-k / experts + the output
+    layer) per token (parameter counts: config/memory.py, equal to transformers'), plus causal
+    attention 6 x L^2 x heads x head_dim on each full-attention layer. Not counted: the Gated
+    DeltaNet / Mamba2 state updates (linear in L; their projections are counted), so the
+    fraction of the ceiling is a lower bound for the hybrids."""
+    from skyrl_mega.config.memory import model_shape, nemotron_pattern
+    from skyrl_mega.config.validate import num_experts
+
+    shape = model_shape(hf)
+    share = hf["num_experts_per_tok"] / num_experts(hf)
+    per_token = int(sum(la.dense + la.experts * share for la in shape.layers) + shape.head)
+    if hf["model_type"] == "nemotron_h":
+        attention_layers = nemotron_pattern(hf).count("*")
+    else:
+        attention_layers = list(hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]).count(
+            "full_attention")
+    q = hf["num_attention_heads"] * (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    return 6.0 * per_token * sum(lengths) + 6.0 * attention_layers * q * sum(n * n for n in lengths), per_token
 
 
 def matmul_ceiling_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -197,16 +258,25 @@ def run(args) -> dict:
     from skyrl_mega.config import load_config
     from skyrl_mega.megatron import parallel
 
-    path = ensure_model(args)
+    from skyrl_mega.config.validate import read_hf_config
+
+    path = family_model(args) if args.family else ensure_model(args)
     parallel.init_distributed()
     parallel.init_model_parallel(load_config(None, [f"model.path={path}"]).parallel, seed=0)
     _, lengths = make_batch(args, 1, 1, 0)
-    flops = model_flops(args, lengths)
+    if args.family:
+        hf = read_hf_config(path)
+        flops, per_token = family_flops(hf, lengths)
+        model = {"family": args.family, "size": args.family_size, **{k: hf.get(k) for k in (
+            "hidden_size", "num_hidden_layers", "layer_types", "layers_block_type", "num_experts", "n_routed_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "vocab_size") if hf.get(k) is not None}}
+    else:
+        flops, per_token = model_flops(args, lengths), matmul_params_per_token(args)
+        model = {k: getattr(args, k) for k in ("hidden", "layers", "experts", "topk", "moe_ffn", "vocab")}
     ceiling = matmul_ceiling_tflops() if torch.cuda.is_available() else None
     result = {"preset": args.preset, "torch": torch.__version__, "dtype": args.dtype,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "model": {k: getattr(args, k) for k in ("hidden", "layers", "experts", "topk", "moe_ffn", "vocab")},
-              "matmul_params_per_token": matmul_params_per_token(args), "tokens": sum(lengths),
+              "model": model, "matmul_params_per_token": per_token, "tokens": sum(lengths),
               "model_tflop_per_step": flops / 1e12, "matmul_ceiling_tflops": ceiling, "specs": {}}
     if ceiling:
         print(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s", flush=True)
