@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The released-checkpoint checks (issue 35) on one lent GPU (H100 or H200), once the vLLM kit's six
-# parts are stashed there (.whl/install_parts.sh stash .whl/pNN, one transfer each) and .pw .pr
-# .device are carried (bench/device_kit.sh makes them here):
+# The released-checkpoint checks (issue 35) on one lent GPU (H100 or H200), with .pw .pr .device
+# carried (bench/device_kit.sh makes them here) and, for check and sync, the vLLM kit's six parts
+# stashed there first (.whl/install_parts.sh stash .whl/pNN, one transfer each):
 #   bench/gpu_issue35.sh check   the GPU vLLM tests, and Qwen3.5-MoE (the released, fused expert
 #                                layout: .device/tiny_qwen3_5_moe_vl) and Nemotron 3 colocated RL
 #                                against vLLM 0.26 with R3, at once
@@ -13,7 +13,7 @@ set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/kern:/tmp/site:/root/vsite PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 cd "$(dirname "$0")/.."
 RES=runs/gpu35; mkdir -p "$RES"
-{ bash .whl/install_parts.sh install && bash bench/h200_hybrids.sh install; } > "$RES/install_$1.log" 2>&1 \
+{ { [ "$1" = speed ] || bash .whl/install_parts.sh install; } && bash bench/h200_hybrids.sh install; } > "$RES/install_$1.log" 2>&1 \
   || { tail -20 "$RES/install_$1.log"; exit 1; }
 case "$1" in
   check)

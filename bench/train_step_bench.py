@@ -131,9 +131,9 @@ def record_live_routes(policy, batch, cfg, args):
     import torch
 
     from skyrl_mega.megatron.r3_replay import route_positions
-    from skyrl_mega.megatron.train_step import _Par, compute_logprobs, plan_step
+    from skyrl_mega.megatron.train_step import Parallelism, compute_logprobs, plan_step
 
-    par = _Par.current(policy.bridge.config)
+    par = Parallelism.current(policy.bridge.config)
     if par.tp > 1 or par.pp > 1 or par.cp > 1:
         return False
     cfg.train.packing, cfg.train.max_tokens_per_microbatch = True, args.max_tokens

@@ -1,7 +1,7 @@
 """The synchronous RL loop. torchrun starts every rank here; rank 0 is also the controller.
 
     prompts -> rollout (vLLM, routes when R3 is on) -> rewards -> advantages
-            -> train step (all ranks) -> weight sync to the engines -> metrics -> checkpoint
+            -> train (all ranks: train.mini_batches x train.epochs updates) -> weight sync to the engines -> metrics -> checkpoint
 
 In: a recipe YAML + overrides (argv). Out: <output_dir>/metrics.jsonl, plot.png, checkpoints/
 (dist-ckpt, resumable), hf/ (HF export). Rank 0 owns the engines, the data and the metrics;
@@ -22,9 +22,9 @@ from .controller.steps import (on_rank0, resume, rollout_with_retries, save_due,
                                sync_with_retries)
 from .errors import run_rank
 from .megatron import parallel
-from .megatron.packing import shard_for_dp
+from .megatron.packing import mini_batches, shard_for_dp
 from .megatron.policy import build_policy, build_reference
-from .megatron.train_step import train_step
+from .megatron.train_step import train_on_batch
 
 
 def main(argv: list[str]) -> None:
@@ -60,11 +60,12 @@ def main(argv: list[str]) -> None:
             t_rollout = time.perf_counter() - t0
             metrics.update(on_rank0("putting the engines to sleep", lambda: ctrl.engines.before_training()) or {})
             batch = broadcast_rl_batch(batch)
-            mine = batch.select(shard_for_dp(batch.lengths, mpu.get_data_parallel_world_size(),
+            mine = [mini.select(shard_for_dp(mini.lengths, mpu.get_data_parallel_world_size(),
                                              mpu.get_data_parallel_rank()))
+                    for mini in mini_batches(batch, cfg.train.mini_batches)]
             t1 = time.perf_counter()
             with gpu_memory.phase("train") as mem:
-                metrics.update(train_step(policy, mine, cfg, ref))
+                metrics.update(train_on_batch(policy, mine, cfg, ref))
             metrics.update(mem)
             t_train = time.perf_counter() - t1
             metrics.update(on_rank0("waking the engines' weights", lambda: ctrl.engines.before_sync()) or {})

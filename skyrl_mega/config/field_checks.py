@@ -88,10 +88,14 @@ def optim_problems(cfg) -> list[str]:
 
 def train_problems(cfg) -> list[str]:
     t = cfg.train
-    out = at_least(cfg, 1, ["train.micro_batch_size", "train.steps"])
+    out = at_least(cfg, 1, ["train.micro_batch_size", "train.steps", "train.mini_batches", "train.epochs"])
     out += at_least(cfg, 1, ["train.max_tokens_per_microbatch", "train.pad_packed_to"], optional=True)
     if t.recompute_granularity not in (None, "full"):
         out.append(f"train.recompute_granularity={t.recompute_granularity!r}: use null or 'full'")
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    if isinstance(t.mini_batches, int) and t.mini_batches > samples >= 1:
+        out.append(f"train.mini_batches={t.mini_batches} is more than the {samples} samples of a rollout batch "
+                   "(rollout.prompts_per_step x rollout.n_samples_per_prompt): lower it")
     return out
 
 

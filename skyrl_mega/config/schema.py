@@ -58,6 +58,10 @@ class TrainConfig:
     # per shape (fla's and mamba-ssm's Triton kernels on GPU); None = no extra padding
     pad_packed_to: Optional[int] = None
     recompute_granularity: Optional[str] = None  # None | full (activation recompute, uniform, 1 layer)
+    # optimizer updates per rollout batch: the batch cut into this many mini-batches of whole
+    # samples, in order (megatron/train_step.train_on_batch), each trained train.epochs times
+    mini_batches: int = 1
+    epochs: int = 1
 
 
 @dataclass

@@ -93,6 +93,13 @@ def layout_problems(cfg, world: int) -> list[str]:
         out.append(f"world size {world} is not divisible by tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {p.tp * p.pp * p.cp}")
     if world % (etp * p.ep * p.pp):
         out.append(f"world size {world} is not divisible by etp*ep*pp = {etp}*{p.ep}*{p.pp} = {etp * p.ep * p.pp}")
+    dp = world // (p.tp * p.pp * p.cp) if world % (p.tp * p.pp * p.cp) == 0 else 0
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    if dp and isinstance(cfg.train.mini_batches, int) and cfg.train.mini_batches >= 1 \
+            and samples // cfg.train.mini_batches < dp:
+        out.append(f"train.mini_batches={cfg.train.mini_batches}: a mini-batch of {samples // cfg.train.mini_batches} "
+                   f"samples leaves some of the {dp} data-parallel ranks without any: lower train.mini_batches "
+                   "or raise rollout.prompts_per_step")
     if p.cp > 1:
         if not cfg.train.packing:
             out.append(f"parallel.cp={p.cp} needs train.packing=true (THD)")

@@ -384,6 +384,16 @@ def plan_microbatches(lengths: Sequence[int], *, packed: bool = True, max_tokens
     return layouts
 
 
+def mini_batches(batch, count: int) -> list:
+    """The global batch cut into `count` mini-batches of whole samples, in order (sizes differ by
+    at most one): GRPO's groups stay together when their size divides the mini-batch size."""
+    n = len(batch)
+    if not 1 <= count <= n:
+        raise ValueError(f"{count} mini-batches of a batch of {n} samples")
+    bounds = [i * n // count for i in range(count + 1)]
+    return [batch.select(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
 def shard_for_dp(lengths: Sequence[int], dp_size: int, dp_rank: int) -> list[int]:
     """Indices of the global batch this DP rank trains on: balanced by tokens, deterministic
     (same longest-first rule as the micro-batches, with no budget)."""

@@ -1,15 +1,18 @@
 """The RL step's micro-batches: the plan, each micro-batch's model inputs, running them through
-megatron's schedules, and per-sample outputs back.
+megatron's schedules, and per-sample outputs back. Its public interface (train_step.py and the
+tests use these names, nothing private):
 
 In:  an `RLBatch` (this DP rank's samples), the config, the model's bridge (MoE layers, top-k,
-     experts) and the parallel layout (`_Par.current`).
+     experts) and the parallel layout (`Parallelism.current`).
 Out: `plan_step` -> `StepPlan` (THD-packed micro-batch layouts from `packing.plan_microbatches`,
      made once per step, and each sample's R3 routes aligned to its tokens when a micro-batch
-     first needs them: `AlignedRoutes`); `_model_inputs`
-     -> one micro-batch's input dict (token ids, positions, labels, packed cu_seqlens, routes),
-     built lazily through `_Inputs` when megatron's schedule asks for it; `_run` -> what the loss
-     function returned per micro-batch (R3 replay session around it); `_per_sample` -> values
-     per prediction position back to token-aligned per-sample tensors.
+     first needs them: `AlignedRoutes`);
+     `model_inputs` -> one micro-batch's input dict (token ids, positions, labels, packed
+     cu_seqlens, routes), built lazily through `LazyMicroBatches` when megatron's schedule asks;
+     `rows_of` -> per-sample values laid out as a micro-batch's rows;
+     `run_plan` -> what the loss function returned per micro-batch (R3 replay session around it);
+     `scatter_per_sample` -> values per prediction position back to token-aligned per-sample
+     tensors; `all_reduce` -> a collective that is a no-op without a group.
 train_step.py builds the losses and the update on top of these.
 """
 
@@ -30,7 +33,7 @@ from .r3_replay import R3Replay, align_routes, microbatch_routes
 
 # ---------------------------------------------------------------------------- parallel facts
 @dataclass
-class _Par:
+class Parallelism:
     tp: int = 1
     tp_rank: int = 0
     cp: int = 1
@@ -43,7 +46,7 @@ class _Par:
     last_stage: bool = True
 
     @classmethod
-    def current(cls, config) -> "_Par":
+    def current(cls, config) -> "Parallelism":
         from megatron.core import parallel_state as mpu
 
         return cls(
@@ -55,7 +58,7 @@ class _Par:
         )
 
 
-def _all_reduce(t: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
+def all_reduce(t: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
@@ -104,9 +107,9 @@ class StepPlan:
         return (0, 0) if self.routes is None else self.routes.counts()
 
 
-def plan_step(batch: RLBatch, cfg, bridge, par: Optional[_Par] = None, need_routes: bool = False) -> StepPlan:
+def plan_step(batch: RLBatch, cfg, bridge, par: Optional[Parallelism] = None, need_routes: bool = False) -> StepPlan:
     """Micro-batch layouts for the batch (+ its R3 routes, aligned as micro-batches need them)."""
-    par = par or _Par.current(bridge.config)
+    par = par or Parallelism.current(bridge.config)
     t = cfg.train
     layouts = plan_microbatches(
         batch.lengths, packed=bool(t.packing), max_tokens=t.max_tokens_per_microbatch if t.packing else None,
@@ -123,7 +126,7 @@ def plan_step(batch: RLBatch, cfg, bridge, par: Optional[_Par] = None, need_rout
     return plan
 
 
-def _rows(layout: MicroBatchLayout, per_sample: Optional[list[Tensor]], dtype=torch.float32) -> Tensor:
+def rows_of(layout: MicroBatchLayout, per_sample: Optional[list[Tensor]], dtype=torch.float32) -> Tensor:
     """Loss rows [n, Lmax-1]: column j of segment k = per_sample[k][j+1] (prediction-aligned)."""
     idx, _ = layout.prediction_index()
     out = torch.zeros(idx.shape, dtype=dtype)
@@ -137,7 +140,7 @@ def _rows(layout: MicroBatchLayout, per_sample: Optional[list[Tensor]], dtype=to
     return out
 
 
-def _model_inputs(layout: MicroBatchLayout, batch: RLBatch, plan: StepPlan, par: _Par, bridge,
+def model_inputs(layout: MicroBatchLayout, batch: RLBatch, plan: StepPlan, par: Parallelism, bridge,
                   replay: bool) -> dict:
     ids = [batch.input_ids[s] if s >= 0 else None for s in layout.samples]
     mb = {
@@ -161,7 +164,7 @@ def _model_inputs(layout: MicroBatchLayout, batch: RLBatch, plan: StepPlan, par:
     return mb
 
 
-class _Inputs(Sequence):
+class LazyMicroBatches(Sequence):
     """The micro-batches' input dicts, each built when megatron's schedule first asks for it and
     kept: the host builds micro-batch i+1 while the GPU still runs the kernels queued for i (the
     layers read nothing back to the host), instead of all of them before the first forward."""
@@ -196,7 +199,7 @@ def _kwargs_fn(replay_handle: Optional[R3Replay]):
     return fn
 
 
-def _run(models, mbs, loss_fn, forward_only, replay_handle, collect=False):
+def run_plan(models, mbs, loss_fn, forward_only, replay_handle, collect=False):
     if replay_handle is None:
         return fwd.run_microbatches(models, mbs, loss_fn, forward_only=forward_only, collect_non_loss_data=collect,
                                     model_kwargs_fn=_kwargs_fn(None))
@@ -205,13 +208,13 @@ def _run(models, mbs, loss_fn, forward_only, replay_handle, collect=False):
                                     model_kwargs_fn=_kwargs_fn(replay_handle))
 
 
-def _per_sample(layout: MicroBatchLayout, local: Tensor, par: _Par, n_samples_out: list) -> None:
+def scatter_per_sample(layout: MicroBatchLayout, local: Tensor, par: Parallelism, n_samples_out: list) -> None:
     """Local prediction-position values [b, s_local] -> token-aligned per-sample tensors
     (index t = value predicting token t; index 0 = 0), written into n_samples_out."""
     full = torch.zeros(layout.num_tokens, dtype=torch.float32, device=local.device)
     full[layout.local_positions().to(local.device)] = local.reshape(-1).float()
     if par.cp > 1:
-        _all_reduce(full, par.cp_group)
+        all_reduce(full, par.cp_group)
     for seg, x in zip(layout.segments, layout.gather(full.view(layout.rows, layout.width))):
         if seg.sample >= 0:
             n_samples_out[seg.sample] = torch.cat([x.new_zeros(1), x[:-1]]).cpu()

@@ -12,6 +12,9 @@ Out: `train_step` -> metrics dict (same on every rank): loss, pg_loss, pg_clipfr
      entropy, grad_norm, lr, logprob_diff_mean / logprob_diff_max (|train - rollout| over
      response tokens), tokens, r3/coverage, skipped (1 when a non-finite loss or gradient made
      the step skip the update; the gradients are zeroed and the LR schedule does not move).
+     `train_on_batch` -> the same over several updates of one rollout batch (train.mini_batches
+     x train.epochs; old and reference logprobs once for the batch, before any update):
+     `prepare` (plan, old / ref logprobs) once per mini-batch, then `update` per update.
 
 Per step: the micro-batch plan (step_inputs.plan_step over `packing.plan_microbatches`: THD
 packing, token budget, balanced, equal micro-batch count on every DP rank) is made once and
@@ -41,7 +44,7 @@ depends on the built model. Virtual pipeline stages are not supported.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -54,8 +57,9 @@ from .batch import RLBatch  # noqa: F401  (re-exported: callers import it from h
 from .logprobs import vocab_parallel_logprobs
 from .packing import MicroBatchLayout
 from .policy import PolicyModel, ReferenceModel
-from .step_inputs import (  # plan_step, StepPlan and _Par are also imported from here by callers
-    StepPlan, _all_reduce, _Inputs, _model_inputs, _Par, _per_sample, _rows, _run, plan_step,
+from .step_inputs import (  # plan_step, StepPlan and Parallelism are also imported from here by callers
+    LazyMicroBatches, Parallelism, StepPlan, all_reduce, model_inputs, plan_step, rows_of, run_plan,
+    scatter_per_sample,
 )
 
 # ---------------------------------------------------------------------------- logprobs
@@ -71,11 +75,11 @@ def compute_logprobs(model, batch: RLBatch, cfg, plan: Optional[StepPlan] = None
     if replay and handle is None:
         raise ValueError("replay=True but the model was built without routing replay")
     bridge = model.bridge
-    par = _Par.current(bridge.config)
+    par = Parallelism.current(bridge.config)
     plan = plan or plan_step(batch, cfg, bridge, par, need_routes=handle is not None)
     if handle is not None and plan.routes is None:
         plan = replace(plan, routes=plan_step(batch, cfg, bridge, par, need_routes=True).routes)
-    mbs = _Inputs(plan.layouts, lambda lay: _model_inputs(lay, batch, plan, par, bridge, handle is not None))
+    mbs = LazyMicroBatches(plan.layouts, lambda lay: model_inputs(lay, batch, plan, par, bridge, handle is not None))
     temperature = float(cfg.algorithm.temperature)
     vocab = getattr(bridge.hf_config, "vocab_size", None)
 
@@ -85,14 +89,14 @@ def compute_logprobs(model, batch: RLBatch, cfg, plan: Optional[StepPlan] = None
         return lp.detach(), (ent.detach() if ent is not None else None)
 
     with torch.no_grad():
-        out = _run(model.models, mbs, loss_fn, True, handle, collect=True)
+        out = run_plan(model.models, mbs, loss_fn, True, handle, collect=True)
     if not par.last_stage:
         return None
     lps, ents = [None] * len(batch), [None] * len(batch)
     for mb, (lp, ent) in zip(mbs, out):
-        _per_sample(mb["layout"], lp, par, lps)
+        scatter_per_sample(mb["layout"], lp, par, lps)
         if with_entropy:
-            _per_sample(mb["layout"], ent, par, ents)
+            scatter_per_sample(mb["layout"], ent, par, ents)
     return (lps, ents) if with_entropy else lps
 
 
@@ -107,16 +111,16 @@ def _loss_inputs(layout: MicroBatchLayout, batch: RLBatch, old: list[Tensor], re
     idx, valid = layout.prediction_index()
     f2l = layout.full_to_local()[idx]
     owned = f2l >= 0
-    mask = (_rows(layout, batch.response_mask) > 0) & valid & owned
+    mask = (rows_of(layout, batch.response_mask) > 0) & valid & owned
     seq_counts = torch.tensor([int(counts[s]) if s >= 0 else 0 for s in layout.samples], dtype=torch.long)
     d = {
-        "row_index": f2l.clamp(min=0), "row_mask": mask, "row_old": _rows(layout, old),
-        "row_adv": _rows(layout, batch.advantages), "seq_counts": seq_counts,
+        "row_index": f2l.clamp(min=0), "row_mask": mask, "row_old": rows_of(layout, old),
+        "row_adv": rows_of(layout, batch.advantages), "seq_counts": seq_counts,
     }
     if batch.rollout_logprobs is not None:
-        d["row_rollout"] = _rows(layout, batch.rollout_logprobs)
+        d["row_rollout"] = rows_of(layout, batch.rollout_logprobs)
     if ref is not None:
-        d["row_ref"] = _rows(layout, ref)
+        d["row_ref"] = rows_of(layout, ref)
     return d
 
 
@@ -159,7 +163,7 @@ def loss_normalizers(batch: RLBatch, cfg, dp_group) -> tuple[Tensor, Tensor, Ten
     counts = torch.tensor([int((m[1:] > 0).sum()) for m in batch.response_mask], dtype=torch.long)
     dev = fwd.device()
     tot = torch.tensor([float(counts.sum()), float((counts > 0).sum())], dtype=torch.float64, device=dev)
-    _all_reduce(tot, dp_group)
+    all_reduce(tot, dp_group)
     return tot[0].float(), tot[1].float(), counts
 
 
@@ -169,7 +173,7 @@ def forward_backward(policy: PolicyModel, batch: RLBatch, cfg, plan: StepPlan,
     micro-batches; returns this rank's summed metrics (zeros on non-last pipeline stages).
     Gradients are left in the DDP buffers (finalised: DP-reduced, not yet applied)."""
     bridge = policy.bridge
-    par = _Par.current(bridge.config)
+    par = Parallelism.current(bridge.config)
     if batch.old_logprobs is None:
         raise ValueError("forward_backward needs batch.old_logprobs (train_step fills them)")
     n_tokens, n_seqs, counts = loss_normalizers(batch, cfg, par.dp_group)
@@ -177,17 +181,17 @@ def forward_backward(policy: PolicyModel, batch: RLBatch, cfg, plan: StepPlan,
     if handle is not None and plan.routes is None:
         raise ValueError("R3 is on but the plan has no routes (plan_step(..., need_routes=True))")
     def inputs(lay):
-        mb = _model_inputs(lay, batch, plan, par, bridge, handle is not None)
+        mb = model_inputs(lay, batch, plan, par, bridge, handle is not None)
         mb.update(_loss_inputs(lay, batch, batch.old_logprobs, ref_logprobs, counts))
         return mb
 
-    mbs = _Inputs(plan.layouts, inputs)
+    mbs = LazyMicroBatches(plan.layouts, inputs)
     for m in policy.models:
         m.zero_grad_buffer()
     policy.optimizer.zero_grad()
     loss_fn = _make_loss_fn(cfg, getattr(bridge.hf_config, "vocab_size", None), n_tokens.to(fwd.device()),
                             n_seqs.to(fwd.device()))
-    out = _run(policy.models, mbs, loss_fn, False, handle)
+    out = run_plan(policy.models, mbs, loss_fn, False, handle)
     dev = fwd.device()
     sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=dev)
     maxes = torch.zeros(len(MAX_KEYS), dtype=torch.float64, device=dev)
@@ -205,16 +209,16 @@ def _grads_finite(models) -> bool:
     return ok
 
 
-def _reduce_metrics(raw: dict, par: _Par) -> dict:
+def _reduce_metrics(raw: dict, par: Parallelism) -> dict:
     sums, maxes = raw["sums"].clone(), raw["maxes"].clone()
-    _all_reduce(sums, par.dp_group)
-    _all_reduce(maxes, par.dp_group, dist.ReduceOp.MAX)
+    all_reduce(sums, par.dp_group)
+    all_reduce(maxes, par.dp_group, dist.ReduceOp.MAX)
     if par.cp > 1:  # each CP rank's loss covers only the tokens it holds
-        _all_reduce(sums, par.cp_group)
-        _all_reduce(maxes, par.cp_group, dist.ReduceOp.MAX)
+        all_reduce(sums, par.cp_group)
+        all_reduce(maxes, par.cp_group, dist.ReduceOp.MAX)
     if par.pp > 1:  # only the last stage has values; the others add zeros
-        _all_reduce(sums, par.pp_group)
-        _all_reduce(maxes, par.pp_group, dist.ReduceOp.MAX)
+        all_reduce(sums, par.pp_group)
+        all_reduce(maxes, par.pp_group, dist.ReduceOp.MAX)
     s = dict(zip(SUM_KEYS, sums.tolist()))
     m = dict(zip(MAX_KEYS, maxes.tolist()))
     n = max(s["num_tokens"], 1.0)
@@ -226,20 +230,30 @@ def _reduce_metrics(raw: dict, par: _Par) -> dict:
     }
 
 
-def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[ReferenceModel] = None) -> dict:
-    """One RL update on this DP rank's samples (collective over all ranks). See module docstring."""
-    t0 = time.perf_counter()
+@dataclass
+class PreparedBatch:
+    """A batch ready for updates: its plan, its old logprobs (in batch.old_logprobs) and its
+    reference logprobs, all computed with the weights before any update of this rollout batch."""
+
+    batch: RLBatch
+    plan: StepPlan
+    ref_logprobs: Optional[list[Tensor]]
+    timings: dict
+
+
+def prepare(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[ReferenceModel] = None) -> PreparedBatch:
+    """The plan, old logprobs (recomputed, or the rollout's) and reference logprobs of this DP
+    rank's samples (collective over all ranks)."""
     alg = cfg.algorithm
     batch.validate()
     bridge = policy.bridge
-    par = _Par.current(bridge.config)
+    par = Parallelism.current(bridge.config)
     replay = bool(alg.routing_replay)
     if replay and policy.replay is None:
         raise ValueError("algorithm.routing_replay=true but the policy was built without it")
     plan = plan_step(batch, cfg, bridge, par, need_routes=replay or (ref is not None and ref.replay is not None))
     timings = {}
 
-    # old logprobs
     t = time.perf_counter()
     if alg.old_logprobs == "recompute":
         old = compute_logprobs(policy, batch, cfg, plan, replay=replay)
@@ -252,7 +266,6 @@ def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[Reference
         old = old if old is not None else [torch.zeros(n) for n in batch.lengths]
     batch = replace(batch, old_logprobs=old)
 
-    # reference logprobs
     t = time.perf_counter()
     ref_lp = batch.ref_logprobs
     if ref_lp is None and (ref is not None or alg.kl_coef != 0.0):
@@ -262,17 +275,23 @@ def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[Reference
         if ref_lp is None:
             ref_lp = [torch.zeros(n) for n in batch.lengths]
     timings["time/ref_logprobs"] = time.perf_counter() - t
+    return PreparedBatch(batch, plan, ref_lp, timings)
 
-    # forward + backward
+
+def update(policy: PolicyModel, prepared: PreparedBatch, cfg) -> dict:
+    """One optimizer update on a prepared batch (collective): forward + backward of the RL loss,
+    the step (skipped, gradients dropped, when the loss or a gradient is not finite), metrics."""
+    t0 = time.perf_counter()
+    batch, plan, par = prepared.batch, prepared.plan, Parallelism.current(policy.bridge.config)
+    timings = {}
     t = time.perf_counter()
-    raw = forward_backward(policy, batch, cfg, plan, ref_lp)
+    raw = forward_backward(policy, batch, cfg, plan, prepared.ref_logprobs)
     timings["time/forward_backward"] = time.perf_counter() - t
 
-    # skip non-finite updates
     t = time.perf_counter()
     bad = torch.tensor([float(raw["sums"][SUM_KEYS.index("nonfinite")] > 0 or not _grads_finite(policy.models))],
                        device=fwd.device())
-    _all_reduce(bad, dist.group.WORLD if dist.is_initialized() else None, dist.ReduceOp.MAX)
+    all_reduce(bad, dist.group.WORLD if dist.is_initialized() else None, dist.ReduceOp.MAX)
     skipped = bool(bad.item() > 0)
     if skipped:
         for m in policy.models:
@@ -292,12 +311,51 @@ def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[Reference
     replayed, total = plan.r3_counts
     r3 = torch.tensor([float(replayed), float(total), float(sum(batch.lengths)),
                        float(sum(lay.num_tokens for lay in plan.layouts))], dtype=torch.float64, device=fwd.device())
-    _all_reduce(r3, par.dp_group)
+    all_reduce(r3, par.dp_group)
     metrics.update({
         "grad_norm": grad_norm, "lr": float(lr), "skipped": float(skipped),
         "r3/coverage": float(r3[0] / r3[1]) if r3[1] > 0 else 0.0,
         "tokens/total": float(r3[2]), "tokens/padded": float(r3[3]),
-        "num_microbatches": float(len(plan.layouts)), "time/step": time.perf_counter() - t0,
+        "num_microbatches": float(len(plan.layouts)), "time/update": time.perf_counter() - t0,
     })
     return metrics
 
+
+def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[ReferenceModel] = None) -> dict:
+    """One RL update on this DP rank's samples (collective over all ranks). See module docstring."""
+    t0 = time.perf_counter()
+    prepared = prepare(policy, batch, cfg, ref)
+    metrics = update(policy, prepared, cfg)
+    metrics.update(prepared.timings)
+    metrics["time/step"] = time.perf_counter() - t0
+    return metrics
+
+
+# metrics of several updates: summed over them (times, counts) or taken from the last one; the
+# rest are means over the updates
+SUMMED = ("time/forward_backward", "time/optimizer", "time/update", "skipped", "num_microbatches")
+LAST = ("lr",)
+
+
+def train_on_batch(policy: PolicyModel, minis: list[RLBatch], cfg, ref: Optional[ReferenceModel] = None) -> dict:
+    """Several optimizer updates on one rollout batch (collective): `minis` are this DP rank's
+    shares of the batch's mini-batches, in update order. Every mini-batch's old (and reference)
+    logprobs are computed first, with the weights that generated the batch, so the PPO ratio of
+    a later update measures how far the earlier ones moved the policy; then train.epochs passes
+    of one update per mini-batch. One mini-batch and one epoch is train_step exactly.
+    Metrics: means over the updates (loss, clip fraction, approximate KL, ...), sums of times
+    and counts, `updates`, and the first and last update's clip fraction and approximate KL."""
+    t0 = time.perf_counter()
+    prepared = [prepare(policy, m, cfg, ref) for m in minis]
+    updates = [update(policy, p, cfg) for _ in range(int(cfg.train.epochs)) for p in prepared]
+    metrics = {}
+    for k in updates[0]:
+        values = [u[k] for u in updates]
+        metrics[k] = sum(values) if k in SUMMED else values[-1] if k in LAST else sum(values) / len(values)
+    for k in ("pg_clipfrac", "approx_kl"):
+        metrics[f"{k}/first_update"], metrics[f"{k}/last_update"] = updates[0][k], updates[-1][k]
+    for k in ("time/old_logprobs", "time/ref_logprobs"):
+        metrics[k] = sum(p.timings[k] for p in prepared)
+    metrics["updates"] = float(len(updates))
+    metrics["time/step"] = time.perf_counter() - t0
+    return metrics

@@ -43,7 +43,7 @@ def main():
     seen = []
     policy.models[0].register_forward_pre_hook(lambda m, args, kwargs: seen.append(int((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).numel())),
                                                with_kwargs=True)
-    par = ts._Par.current(bridge.config)
+    par = ts.Parallelism.current(bridge.config)
     plan = ts.plan_step(batch, cfg, bridge, par, need_routes=True)
     lps = ts.compute_logprobs(policy, batch, cfg, plan, replay=True)
     # the update on this data-parallel rank's share of the batch (all of it without DP)

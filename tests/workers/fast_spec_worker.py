@@ -93,7 +93,7 @@ def main():
                             bridge.config.moe_router_topk, bridge.config.num_moe_experts)
         batch = full.select(shard_for_dp(full.lengths, mpu.get_data_parallel_world_size(),
                                          mpu.get_data_parallel_rank()))
-        par = ts._Par.current(bridge.config)
+        par = ts.Parallelism.current(bridge.config)
         plan = ts.plan_step(batch, cfg, bridge, par, need_routes=True)
         before, before_varlen, before_rope, before_sorts = calls[0], varlen_calls[0], rope_calls[0], sorts[0]
         lps = ts.compute_logprobs(policy, batch, cfg, plan, replay=True)

@@ -88,7 +88,7 @@ def main():
     batch = full.select(mine)
     last = mpu.is_pipeline_last_stage()
     writer = last and mpu.get_tensor_model_parallel_rank() == 0
-    par = ts._Par.current(policy.bridge.config)
+    par = ts.Parallelism.current(policy.bridge.config)
 
     # 1) logprobs: packed vs padded, and vocab-parallel vs a float64 reference from gathered logits
     out = {}
@@ -101,7 +101,7 @@ def main():
             out[f"{'packed' if packed else 'padded'}_{k}"] = v.float().contiguous()
     cfg.train.packing = True
     plan = ts.plan_step(batch, cfg, policy.bridge, par)
-    mbs = [ts._model_inputs(lay, batch, plan, par, policy.bridge, False) for lay in plan.layouts]
+    mbs = [ts.model_inputs(lay, batch, plan, par, policy.bridge, False) for lay in plan.layouts]
     temp = float(cfg.algorithm.temperature)
 
     def ref_check(mb, logits):
@@ -110,7 +110,7 @@ def main():
         return torch.stack([(lp.double() - rlp).abs().max(), (ent.double() - rent).abs().max()])
 
     with torch.no_grad():
-        diffs = ts._run(policy.models, mbs, ref_check, True, None, collect=True)
+        diffs = ts.run_plan(policy.models, mbs, ref_check, True, None, collect=True)
     d = torch.stack(diffs).max(0).values if diffs else torch.zeros(2, dtype=torch.float64, device=device())
     dist.all_reduce(d, op=dist.ReduceOp.MAX)
     checks["vocab_parallel_vs_float64_logprob"], checks["vocab_parallel_vs_float64_entropy"] = d.tolist()
