@@ -1,4 +1,4 @@
-"""`skyrl-mega` command line: make-tiny, train, demo, validate, convert, serve.
+"""`skyrl-mega` command line: make-tiny, train, demo, validate, convert, serve, data.
 
 In: a subcommand, a recipe YAML and `key=value` overrides. Out: the config is validated in
 this process (before any rank or process group starts), then torchrun launches the ranks.
@@ -191,6 +191,41 @@ def cmd_serve(args) -> int:
     return run_supervised(argv, server.env(None, args.gpus), name=f"vLLM server on port {args.port}")
 
 
+def cmd_data(args) -> int:
+    """Reads prompt datasets (jsonl, parquet, datasets' save_to_disk directories), prints what it
+    found and writes the kept rows in the standard layout (data/prepare.py); a malformed row or
+    an unreadable input is one line naming it and exit code 2."""
+    from skyrl_mega.data.dataset import DatasetError
+    from skyrl_mega.data.prepare import prepare
+
+    try:
+        tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
+        report = prepare(args.sources, args.out, tokenizer, args.max_prompt_len,
+                         chat_template=not args.no_chat_template, keep_duplicates=args.keep_duplicates)
+    except DatasetError as e:
+        from skyrl_mega.errors import one_line
+
+        print(f"skyrl-mega data: {one_line(e)}", file=sys.stderr)
+        return 2
+    for line in report.lines():
+        print(line)
+    print(f"wrote {report.kept} rows to {args.out}")
+    return 0
+
+
+def _tokenizer(path: str):
+    from skyrl_mega.data.dataset import DatasetError
+
+    if not os.path.isdir(path):
+        raise DatasetError(f"--tokenizer {path!r} is not a directory (an HF model or tokenizer directory)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"--tokenizer {path!r}: cannot load a tokenizer there ({e})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from skyrl_mega.errors import EXIT_USER_ERROR, UserError, one_line
     from skyrl_mega.launcher import LaunchError
@@ -237,6 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command line and exit")
     p.add_argument("overrides", nargs="*", help="Hydra overrides: key=value")
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("data", help="read prompt datasets (jsonl, parquet, datasets save_to_disk dirs), report "
+                                     "counts, write the standard layout")
+    p.add_argument("sources", nargs="+", help=".jsonl / .parquet files, directories written by save_to_disk")
+    p.add_argument("--out", required=True, help="OUT.jsonl or OUT.parquet: {prompt, ground_truth, data_source, "
+                                                "extra_info} per kept row")
+    p.add_argument("--tokenizer", "--model", dest="tokenizer",
+                   help="HF model or tokenizer directory: count prompt tokens (needed by --max-prompt-len)")
+    p.add_argument("--max-prompt-len", type=int, default=None, help="leave out prompts longer than this (tokens)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="count string prompts' tokens without the chat template (as data.chat_template=false)")
+    p.add_argument("--keep-duplicates", action="store_true", help="keep rows whose prompt an earlier row has")
+    p.set_defaults(fn=cmd_data)
 
     for name, fn, helptext in (("train", cmd_train, "launch training ranks with torchrun"),
                                ("demo", cmd_demo, "the tiny CPU demo (tiny_cpu recipe; makes its tiny model)"),

@@ -81,6 +81,7 @@ BAD_FIELDS = {
     "rollout.max_step_retries": "-1", "rollout.max_concurrency": "0", "rollout.sleep_level": "3",
     "rollout.weight_transport": "rdma",
     "data.synthetic": "sudoku", "data.synthetic_size": "0", "data.max_prompt_len": "0", "data.reward": "nope",
+    "data.reward_timeout_s": "0", "data.reward_workers": "0",
     "checkpoint.every_n_steps": "-1", "checkpoint.keep_last": "-1", "checkpoint.resume": "/no/such/step_000001",
     "checkpoint.hf_export_every_n_steps": "-1", "placement": "remote", "output_dir": "''",
 }

@@ -46,11 +46,11 @@ def test_length_filter_counts_and_clear_errors(tmp_path, tokenizer):
         load_prompts(str(p), tokenizer, chat_template=False, max_prompt_len=1)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n{not json\n')
-    with pytest.raises(DatasetError, match="bad.jsonl:2: not valid JSON"):
+    with pytest.raises(DatasetError, match="bad.jsonl row 2: not valid JSON"):
         load_prompts(str(bad), tokenizer)
     nop = tmp_path / "nop.jsonl"
     nop.write_text('{"question": "x"}\n')
-    with pytest.raises(DatasetError, match="no 'prompt' field"):
+    with pytest.raises(DatasetError, match="nop.jsonl row 1: no 'prompt' field"):
         load_prompts(str(nop), tokenizer)
     with pytest.raises(DatasetError, match="does not exist"):
         load_prompts(str(tmp_path / "missing.jsonl"), tokenizer)

@@ -1,6 +1,7 @@
-"""A failure on rank 0 outside the rollout retry (here: the user's reward function raises) stops
-every rank promptly, and every rank reports rank 0's error, instead of the other ranks waiting
-in a collective until the process-group timeout (or dying on a closed gloo pair)."""
+"""A failure on rank 0 alone (here: its reward workers cannot load the user's reward module; a
+reward that raises only costs its sample) stops every rank promptly, and every rank reports rank
+0's error, instead of the other ranks waiting in a collective until the process-group timeout
+(or dying on a closed gloo pair)."""
 
 import os
 import subprocess
@@ -16,10 +17,10 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.vllm, pytest.mark.slow]
 RECIPE = os.path.join(REPO, "recipes/qwen3_moe/tiny_cpu.yaml")
 
 
-def test_reward_function_raising_on_rank0_stops_every_rank_with_its_message(tiny_qwen3_moe, tmp_path):
+def test_reward_workers_failing_on_rank0_stop_every_rank_with_its_message(tiny_qwen3_moe, tmp_path):
     out = tmp_path / "run"
     args = [RECIPE, f"model.path={tiny_qwen3_moe}", f"output_dir={out}", f"data.train_path={tmp_path / 'd.jsonl'}",
-            "data.reward=tests.workers.raising_reward:explode", "train.steps=3", "logging.progress_bar=false",
+            "data.reward=tests.workers.worker_unloadable_reward:score", "train.steps=3", "logging.progress_bar=false",
             "logging.tensorboard=false"]
     log = tmp_path / "run.log"
     t0 = time.monotonic()
@@ -30,8 +31,10 @@ def test_reward_function_raising_on_rank0_stops_every_rank_with_its_message(tiny
     text = open(log).read()
     assert rc != 0, text[-3000:]
     # rank 1 stops with rank 0's error as its one line; rank 0 reports its own, with traceback
-    assert "stopping: rank 0 failed in step 0 rollout: ValueError: reward exploded on purpose" in text, text[-4000:]
-    assert text.count("Traceback") == 1 and 'raise ValueError("reward exploded on purpose")' in text, text[-4000:]
+    assert ("stopping: rank 0 failed in starting the controller: RewardWorkerError: a reward worker cannot load "
+            "the rewards ['tests.workers.worker_unloadable_reward:score']: ValueError: reward module broken on purpose "
+            "in the reward worker") in text, text[-4000:]
+    assert text.count("Traceback") == 1 and "raise RewardWorkerError(" in text, text[-4000:]
     assert "Connection closed by peer" not in text, text[-4000:]
     assert time.monotonic() - t0 < 900
 

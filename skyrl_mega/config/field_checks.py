@@ -61,17 +61,17 @@ def _options(key: str, kwargs, fn, passed_by_caller=()) -> list[str]:
 
 
 def _reward(key: str, name: str) -> list[str]:
-    from skyrl_mega.data.rewards import REWARDS, get_reward
+    """Registered or `module:function`; importable (also by a reward worker process)."""
+    from skyrl_mega.data.rewards import REWARDS, get_reward, reward_spec
 
-    if name in REWARDS:
+    if name not in REWARDS and ":" not in name:
+        return [f"{key}={name!r} is not registered; choose one of {sorted(REWARDS)} (or give module:function)"]
+    try:
+        get_reward(name)
+        reward_spec(name)
         return []
-    if ":" in name:  # module:function, imported by get_reward
-        try:
-            get_reward(name)
-            return []
-        except ValueError as e:
-            return [f"{key}: {e}"]
-    return [f"{key}={name!r} is not registered; choose one of {sorted(REWARDS)} (or give module:function)"]
+    except ValueError as e:
+        return [f"{key}: {e}"]
 
 
 def optim_problems(cfg) -> list[str]:
@@ -214,7 +214,8 @@ def url_problems(urls: list[str], probe: bool) -> list[str]:
 
 def data_problems(cfg, for_training: bool) -> list[str]:
     d = cfg.data
-    out = at_least(cfg, 1, ["data.synthetic_size", "data.max_prompt_len"])
+    out = at_least(cfg, 1, ["data.synthetic_size", "data.max_prompt_len", "data.reward_workers"])
+    out += at_least(cfg, 0, ["data.reward_timeout_s"], strict=True)
     out += choice("data.synthetic", d.synthetic, (None, "digits"))
     out += _reward("data.reward", d.reward)
     for source, name in d.reward_by_source.items():

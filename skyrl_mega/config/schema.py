@@ -136,13 +136,19 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    train_path: Optional[str] = None  # jsonl / parquet; generated when synthetic is set
+    # jsonl / parquet / a directory written by HF datasets' save_to_disk (`skyrl-mega data`
+    # turns other layouts into one file); generated when synthetic is set
+    train_path: Optional[str] = None
     synthetic: Optional[str] = None  # "digits": write the demo task to train_path if missing
     synthetic_size: int = 256
     chat_template: bool = True
     max_prompt_len: int = 256
     reward: str = "digits"  # default reward function (skyrl_mega/data/rewards.py)
     reward_by_source: Dict[str, str] = field(default_factory=dict)  # data_source -> reward name
+    # rewards run in worker processes (data/reward_pool.py): a call past reward_timeout_s is
+    # stopped and, like one that raises, scores 0 (counted in reward/timeouts, reward/errors)
+    reward_timeout_s: float = 10.0
+    reward_workers: int = 4
     shuffle: bool = True
 
 

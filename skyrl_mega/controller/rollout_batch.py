@@ -1,8 +1,10 @@
 """Rollouts -> rewards -> advantages -> RLBatch, on the controller.
 
-In: the step's PromptItems and their PromptSamples from the engines, a tokenizer, the config.
+In: the step's PromptItems and their PromptSamples from the engines, a tokenizer, the config,
+the controller's RewardPool (rewards run there, each call with a time limit).
 Out: an RLBatch (one entry per sample; prompt+response tokens, response mask, engine
-logprobs, scalar advantages, MoE routes) and rollout metrics (reward, lengths, truncation).
+logprobs, scalar advantages, MoE routes) and rollout metrics (reward, reward calls that failed
+or timed out and scored 0, lengths, truncation).
 """
 
 from __future__ import annotations
@@ -13,26 +15,26 @@ import numpy as np
 import torch
 
 from ..algorithms import compute_advantages
-from ..data.rewards import get_reward
+from ..data.reward_pool import RewardCall, RewardPool
 from ..megatron.train_step import RLBatch
 
 
-def score(cfg, tokenizer, items, rollouts) -> tuple[torch.Tensor, list[str]]:
-    rewards, texts = [], []
+def score(cfg, tokenizer, items, rollouts, pool: RewardPool) -> tuple[torch.Tensor, list[str], dict]:
+    """Rewards of every sample (0 where the call failed or timed out: counted in the metrics)."""
+    calls, texts = [], []
     for item, ro in zip(items, rollouts):
-        fn = get_reward(cfg.data.reward_by_source.get(item.data_source, cfg.data.reward))
+        name = cfg.data.reward_by_source.get(item.data_source, cfg.data.reward)
         for s in ro.samples:
             text = tokenizer.decode(s.token_ids, skip_special_tokens=True)
-            r = float(fn(text, item.ground_truth, item.meta))
-            if not np.isfinite(r):
-                raise ValueError(f"reward function returned {r} for data_source {item.data_source!r}")
-            rewards.append(r)
+            calls.append(RewardCall(name, text, item.ground_truth, item.meta))
             texts.append(text)
-    return torch.tensor(rewards, dtype=torch.float32), texts
+    res = pool.score(calls)
+    metrics = {"reward/errors": float(res.errors), "reward/timeouts": float(res.timeouts)}
+    return torch.tensor(res.rewards, dtype=torch.float32), texts, metrics
 
 
-def build_rl_batch(cfg, tokenizer, items, rollouts) -> tuple[RLBatch, dict, list[str]]:
-    rewards, texts = score(cfg, tokenizer, items, rollouts)
+def build_rl_batch(cfg, tokenizer, items, rollouts, pool: RewardPool) -> tuple[RLBatch, dict, list[str]]:
+    rewards, texts, reward_metrics = score(cfg, tokenizer, items, rollouts, pool)
     n = cfg.rollout.n_samples_per_prompt
     groups = torch.arange(len(items)).repeat_interleave(n)
     adv = compute_advantages(cfg.algorithm.advantage, rewards, torch.ones(len(rewards), 1), groups,
@@ -64,4 +66,5 @@ def build_rl_batch(cfg, tokenizer, items, rollouts) -> tuple[RLBatch, dict, list
                "response_length/mean": float(np.mean(resp_lens)), "response_length/max": float(max(resp_lens)),
                "response/truncated_frac": truncated / len(resp_lens), "rollout/samples": float(len(resp_lens))}
     metrics.update({f"reward/{src}": float(np.mean(v)) for src, v in by_source.items()})
+    metrics.update(reward_metrics)
     return batch, metrics, texts

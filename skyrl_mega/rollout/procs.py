@@ -37,7 +37,7 @@ except OSError:  # not glibc Linux: no parent-death signal
 _PR_SET_PDEATHSIG = 1
 
 
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+def set_parent_death_signal() -> None:  # runs in the child between fork and exec
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -49,7 +49,9 @@ _SPAWNER: ThreadPoolExecutor | None = None
 _SPAWNER_LOCK = threading.Lock()
 
 
-def _popen(argv, **kwargs) -> subprocess.Popen:
+def spawn_process(argv, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen from the main thread or the one lasting spawner thread, so that a child
+    started with preexec_fn=set_parent_death_signal dies with this process, not with a thread."""
     global _SPAWNER
     if threading.current_thread() is threading.main_thread():
         return subprocess.Popen(argv, **kwargs)
@@ -102,7 +104,7 @@ class ChildProcess:
                 f"\n===== skyrl-mega: start #{self.starts + 1} of {self.name} at "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(self.argv)}\n".encode()
             )
-            self.proc = _popen(
+            self.proc = spawn_process(
                 self.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -110,7 +112,7 @@ class ChildProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_set_parent_death_signal if self.kill_on_parent_death else None,
+                preexec_fn=set_parent_death_signal if self.kill_on_parent_death else None,
             )
         self.starts += 1
         with _LIVE_LOCK:

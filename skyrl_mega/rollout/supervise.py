@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 
-from .procs import _set_parent_death_signal
+from .procs import set_parent_death_signal
 
 
 def _kill_group(pgid: int, sig: int) -> None:
@@ -27,7 +27,7 @@ def _kill_group(pgid: int, sig: int) -> None:
 
 
 def run_supervised(argv: list[str], env: dict, name: str = "server") -> int:
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_set_parent_death_signal)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=set_parent_death_signal)
 
     def forward(signum, _frame):
         _kill_group(proc.pid, signum)
