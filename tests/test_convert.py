@@ -107,17 +107,23 @@ def _tensors(hf_dir: str) -> dict:
 
 
 @pytest.mark.parametrize("family, layout, multimodal", [("nemotron3", "parallel.ep=2", False),
-                                                        ("qwen3_5_moe", "parallel.tp=2", True)])
+                                                        ("qwen3_5_moe", "parallel.ep=2", True)])
 def test_carried_tensors_come_back_unchanged(family, layout, multimodal, tmp_path, capfd):
-    """A checkpoint with a multi-token-prediction layer (and, Qwen3.5's released layout, a vision
-    tower): the model does not build them. hf-to-mcore names them and leaves them out (before,
-    the strict check refused the checkpoint: 'N tensors unexpected (mtp...)'); mcore-to-hf and the
-    trainer's HF save write them back unchanged: every tensor of the original, bit for bit."""
+    """Checkpoints as released: a multi-token-prediction layer; Qwen3.5's multimodal layout (a
+    vision tower, routed experts fused 3-D); Nemotron-3-Nano's config.json form
+    (`hybrid_override_pattern` and `mtp_hybrid_override_pattern` strings, not transformers 5's
+    lists). The model builds neither MTP nor vision tower: hf-to-mcore (EP=2) names them and
+    leaves them out (before, the strict check refused the checkpoint: 'N tensors unexpected
+    (mtp...)'); mcore-to-hf and the trainer's HF save write everything back in the source's own
+    layout: every tensor of the original bit for bit, config.json byte for byte."""
     from skyrl_mega.launcher import run_torchrun
-    from skyrl_mega.models.tiny import make_tiny
+    from skyrl_mega.models.tiny import make_tiny, nemotron_released_config
 
     hf, mcore, back, saved = (str(tmp_path / n) for n in ("hf", "mcore", "back", "saved"))
     make_tiny(family, hf, mtp=True, multimodal=multimodal)
+    if family == "nemotron3":
+        nemotron_released_config(hf)
+    config = open(os.path.join(hf, "config.json"), "rb").read()
     original = _tensors(hf)
     carried = sorted(n for n in original if n.startswith(("mtp.", "model.visual.")))
     assert len(carried) >= 20, carried
@@ -132,21 +138,5 @@ def test_carried_tensors_come_back_unchanged(family, layout, multimodal, tmp_pat
         converted = _tensors(out)
         assert sorted(converted) == sorted(original), sorted(set(original) ^ set(converted))[:5]
         assert all(torch.equal(converted[k], original[k]) for k in original), out
+        assert open(os.path.join(out, "config.json"), "rb").read() == config, out
 
-
-def test_released_nemotron_config_form_round_trips(tmp_path):
-    """Nemotron-3-Nano's config.json as released (`hybrid_override_pattern` and
-    `mtp_hybrid_override_pattern` strings, not transformers 5's lists): converted EP=2 in, TP=2
-    out, the config comes back byte for byte and every tensor (MTP layer included) bit for bit."""
-    from skyrl_mega.models.tiny import make_tiny, nemotron_released_config
-
-    hf, mcore, back = (str(tmp_path / n) for n in ("hf", "mcore", "back"))
-    nemotron_released_config(make_tiny("nemotron3", hf, mtp=True))
-    config = open(os.path.join(hf, "config.json"), "rb").read()
-    assert b"hybrid_override_pattern" in config and b"layers_block_type" not in config
-    assert cli.main(["convert", "hf-to-mcore", hf, mcore, "--nproc", "2", "parallel.ep=2"]) == 0
-    assert cli.main(["convert", "mcore-to-hf", mcore, back, "--hf", hf, "--nproc", "2", "parallel.tp=2"]) == 0
-    assert open(os.path.join(back, "config.json"), "rb").read() == config
-    original, converted = _tensors(hf), _tensors(back)
-    assert sorted(converted) == sorted(original)
-    assert all(torch.equal(converted[k], original[k]) for k in original)
