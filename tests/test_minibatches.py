@@ -37,6 +37,7 @@ def test_updates_per_batch_match_plain_steps(tiny_qwen3_moe, tmp_path):
     assert res["two_vs_sequential"] == 0.0, res
     assert res["moved"] > 1e-3 and res["one_vs_two"] > 1e-4 and res["epochs"] > 1e-4, res
     assert res["updates"] == [1.0, 2.0, 4.0]
+    assert res["schedule_steps"] == [1, 1, 1]  # the LR schedule counts rollout batches, not updates
     assert all(0.0 <= c <= 1.0 for c in res["clipfrac_first_last"]), res
 
 

@@ -300,20 +300,17 @@ def update(policy: PolicyModel, prepared: PreparedBatch, cfg) -> dict:
         grad_norm = float("nan")
     else:
         _, grad_norm, _ = policy.optimizer.step()
-        policy.scheduler.step(1)
-        policy.step += 1
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     timings["time/optimizer"] = time.perf_counter() - t
 
     metrics = _reduce_metrics(raw, par)
     metrics.update(timings)
-    lr = policy.optimizer.param_groups[0]["lr"] if hasattr(policy.optimizer, "param_groups") else float("nan")
     replayed, total = plan.r3_counts
     r3 = torch.tensor([float(replayed), float(total), float(sum(batch.lengths)),
                        float(sum(lay.num_tokens for lay in plan.layouts))], dtype=torch.float64, device=fwd.device())
     all_reduce(r3, par.dp_group)
     metrics.update({
-        "grad_norm": grad_norm, "lr": float(lr), "skipped": float(skipped),
+        "grad_norm": grad_norm, "skipped": float(skipped),
         "r3/coverage": float(r3[0] / r3[1]) if r3[1] > 0 else 0.0,
         "tokens/total": float(r3[2]), "tokens/padded": float(r3[3]),
         "num_microbatches": float(len(plan.layouts)), "time/update": time.perf_counter() - t0,
@@ -321,11 +318,23 @@ def update(policy: PolicyModel, prepared: PreparedBatch, cfg) -> dict:
     return metrics
 
 
+def _advance_schedule(policy: PolicyModel, applied: bool) -> float:
+    """The LR schedule moves once per rollout batch (optim.lr_warmup_steps and the decay count
+    train steps, however many updates a batch gives), unless no update of it was applied;
+    returns the learning rate now."""
+    if applied:
+        policy.scheduler.step(1)
+        policy.step += 1
+    groups = getattr(policy.optimizer, "param_groups", None)
+    return float(groups[0]["lr"]) if groups else float("nan")
+
+
 def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[ReferenceModel] = None) -> dict:
     """One RL update on this DP rank's samples (collective over all ranks). See module docstring."""
     t0 = time.perf_counter()
     prepared = prepare(policy, batch, cfg, ref)
     metrics = update(policy, prepared, cfg)
+    metrics["lr"] = _advance_schedule(policy, applied=not metrics["skipped"])
     metrics.update(prepared.timings)
     metrics["time/step"] = time.perf_counter() - t0
     return metrics
@@ -334,7 +343,6 @@ def train_step(policy: PolicyModel, batch: RLBatch, cfg, ref: Optional[Reference
 # metrics of several updates: summed over them (times, counts) or taken from the last one; the
 # rest are means over the updates
 SUMMED = ("time/forward_backward", "time/optimizer", "time/update", "skipped", "num_microbatches")
-LAST = ("lr",)
 
 
 def train_on_batch(policy: PolicyModel, minis: list[RLBatch], cfg, ref: Optional[ReferenceModel] = None) -> dict:
@@ -342,7 +350,8 @@ def train_on_batch(policy: PolicyModel, minis: list[RLBatch], cfg, ref: Optional
     shares of the batch's mini-batches, in update order. Every mini-batch's old (and reference)
     logprobs are computed first, with the weights that generated the batch, so the PPO ratio of
     a later update measures how far the earlier ones moved the policy; then train.epochs passes
-    of one update per mini-batch. One mini-batch and one epoch is train_step exactly.
+    of one update per mini-batch. The LR schedule moves once for the batch. One mini-batch and
+    one epoch is train_step exactly.
     Metrics: means over the updates (loss, clip fraction, approximate KL, ...), sums of times
     and counts, `updates`, and the first and last update's clip fraction and approximate KL."""
     t0 = time.perf_counter()
@@ -351,11 +360,12 @@ def train_on_batch(policy: PolicyModel, minis: list[RLBatch], cfg, ref: Optional
     metrics = {}
     for k in updates[0]:
         values = [u[k] for u in updates]
-        metrics[k] = sum(values) if k in SUMMED else values[-1] if k in LAST else sum(values) / len(values)
+        metrics[k] = sum(values) if k in SUMMED else sum(values) / len(values)
     for k in ("pg_clipfrac", "approx_kl"):
         metrics[f"{k}/first_update"], metrics[f"{k}/last_update"] = updates[0][k], updates[-1][k]
     for k in ("time/old_logprobs", "time/ref_logprobs"):
         metrics[k] = sum(p.timings[k] for p in prepared)
     metrics["updates"] = float(len(updates))
+    metrics["lr"] = _advance_schedule(policy, applied=metrics["skipped"] < len(updates))
     metrics["time/step"] = time.perf_counter() - t0
     return metrics

@@ -68,6 +68,7 @@ def main():
             metrics = [ts.train_step(policy, mine(half), cfg) for half in mini_batches(batch, 2)]
         else:
             metrics = [ts.train_on_batch(policy, [mine(m) for m in mini_batches(batch, int(mode))], cfg)]
+        metrics[-1]["scheduler_steps"] = policy.step
         return weights(policy), start, metrics
 
     step, start, _ = run("step")
@@ -78,6 +79,7 @@ def main():
     res = {"one_vs_step": max_diff(one, step), "two_vs_sequential": max_diff(two, seq), "moved": max_diff(step, start),
            "epochs": max_diff(two_epochs, two), "one_vs_two": max_diff(one, two),
            "updates": [m_one[0]["updates"], m_two[0]["updates"], m_epochs[0]["updates"]],
+           "schedule_steps": [m_one[0]["scheduler_steps"], m_two[0]["scheduler_steps"], m_epochs[0]["scheduler_steps"]],
            "clipfrac_first_last": [m_epochs[0]["pg_clipfrac/first_update"], m_epochs[0]["pg_clipfrac/last_update"]]}
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
